@@ -1,0 +1,28 @@
+"""fusionpass: handwritten fused Triton kernels for the subgraphs that matter in transformer
+models, installed into torch.compile's Inductor as graph rewrites.
+
+    model = torch.compile(model, backend="fusionpass")
+    model = torch.compile(model, backend=fusionpass.backend(fusions=["rms_norm_residual"]))
+    with fusionpass.enabled():
+        model = torch.compile(model, mode="max-autotune")
+    print(fusionpass.explain(model, input_ids))
+"""
+from fusionpass import ops as _ops  # noqa: F401  (registers the custom ops)
+from fusionpass.backend import backend, enabled, register as _register_backend
+from fusionpass.config import FUSION_NAMES, Config
+from fusionpass.explain import Report, explain
+from fusionpass.passes import STATISTICS as _STATISTICS
+
+__version__ = "0.1.0"
+__all__ = ["backend", "enabled", "explain", "stats", "reset_stats", "Report", "Config", "FUSION_NAMES"]
+
+_register_backend()
+
+
+def stats(variants: bool = False) -> dict:
+    """Matches per fusion since the last reset (`variants=True`: per (fusion, variant))."""
+    return dict(_STATISTICS.variants) if variants else _STATISTICS.per_fusion()
+
+
+def reset_stats() -> None:
+    _STATISTICS.reset()

@@ -1,0 +1,79 @@
+"""Side-by-side timing: versions run interleaved (A B A B ...) in one process, medians reported.
+
+Used by `fusionpass bench` and by the scripts in benchmarks/.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], object]], device: str, rounds: int = 5, iters: int = 10, warmup: int = 3
+) -> dict[str, float]:
+    """Median milliseconds per call of each fn; each round times every fn once, in turn."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end) / iters)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) * 1e3 / iters)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def spread(fns: dict[str, Callable[[], object]], device: str, **kw) -> dict[str, tuple[float, float]]:
+    """(median, max/min - 1) per fn over rounds: how much to trust a difference."""
+    raw = {name: [] for name in fns}
+    for _ in range(kw.pop("repeats", 3)):
+        for name, ms in time_interleaved(fns, device, **kw).items():
+            raw[name].append(ms)
+    return {n: (statistics.median(v), max(v) / min(v) - 1) for n, v in raw.items()}
+
+
+def peak_memory(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated on the GPU above what was allocated before the call."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def kernel_time(fn: Callable[[], object], iters: int = 10) -> float:
+    """GPU kernel milliseconds per call: the profiler's summed device self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(
+        getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+        for e in prof.key_averages()
+    )
+    return total_us / 1e3 / iters

@@ -1,0 +1,148 @@
+"""`fusionpass explain | bench | list`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def _device(name: str | None) -> str:
+    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _model_and_inputs(args):
+    from fusionpass.demo import build
+
+    device = _device(args.device)
+    model = build(args.model, layers=args.layers).to(device=device, dtype=_dtype(args.dtype))
+    model.train(args.train)
+    vocab = model.config.vocab_size if hasattr(model, "config") else model.lm_head.out_features
+    ids = torch.randint(0, vocab, (args.batch, args.seq), device=device)
+    return model, ids
+
+
+def cmd_list(args) -> int:
+    from fusionpass.config import FUSION_NAMES
+    from fusionpass.registry import registered
+
+    declared = registered()
+    rows = []
+    for name in FUSION_NAMES:
+        fusion = declared.get(name)
+        if fusion is None:
+            rows.append({"fusion": name, "status": "not implemented yet"})
+        else:
+            rows.append(
+                {
+                    "fusion": name,
+                    "status": "available",
+                    "matches": fusion.matches,
+                    "variants": [v.name for v in fusion.variants],
+                    "selected_when": fusion.selected_when,
+                    "guards": [gd.name for gd in fusion.guards],
+                }
+            )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        print(f"{row['fusion']}: {row['status']}")
+        if row["status"] == "available":
+            print(f"  matches:       {row['matches']}")
+            print(f"  variants:      {', '.join(row['variants'])}")
+            print(f"  selected when: {row['selected_when']}")
+            print(f"  guards:        {', '.join(row['guards'])}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    import fusionpass
+
+    model, ids = _model_and_inputs(args)
+    fusions = args.fusions.split(",") if args.fusions else None
+    kwargs = {} if args.model == "demo" else {"labels": ids} if args.train else {}
+    report = fusionpass.explain(model, ids, fusions=fusions, train=args.train, **kwargs)
+    print(report.to_json() if args.json else report)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import fusionpass
+    from fusionpass.bench import time_interleaved
+
+    model, ids = _model_and_inputs(args)
+    device = _device(args.device)
+    plain = torch.compile(model)
+    fused = torch.compile(model, backend=fusionpass.backend(cpu=device == "cpu"))
+    kwargs = {"labels": ids}
+
+    def step(fn):
+        def run():
+            if args.train:
+                out = fn(ids, **kwargs)
+                loss = out if isinstance(out, torch.Tensor) else out.loss
+                loss.backward()
+            else:
+                with torch.no_grad():
+                    fn(ids)
+
+        return run
+
+    ms = time_interleaved(
+        {"torch.compile": step(plain), "fusionpass": step(fused)},
+        device,
+        rounds=args.rounds,
+        iters=args.iters,
+    )
+    tokens = args.batch * args.seq
+    what = "training step" if args.train else "forward"
+    print(f"{args.model} {what}, batch {args.batch} x seq {args.seq}, {args.dtype}, {device}")
+    for name, t in ms.items():
+        print(f"  {name:<14} {t:9.3f} ms  {tokens / t * 1e3:12.0f} tokens/s")
+    print(f"  speedup {ms['torch.compile'] / ms['fusionpass']:.3f}x")
+    print(f"  matches {fusionpass.stats()}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="fusionpass", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p, batch, seq):
+        p.add_argument("--model", default="demo", help="demo (built in) or an HF family: "
+                       "llama, mistral, qwen2, qwen3, gemma, gemma2, phi3")
+        p.add_argument("--layers", type=int, default=2)
+        p.add_argument("--train", action="store_true", help="trace a training step")
+        p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+        p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+        p.add_argument("--batch", type=int, default=batch)
+        p.add_argument("--seq", type=int, default=seq)
+
+    p = sub.add_parser("explain", help="which fusions matched where, and why others did not")
+    model_args(p, 2, 16)
+    p.add_argument("--fusions", default=None, help="comma-separated fusion names to enable")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("bench", help="time plain torch.compile against fusionpass on a model")
+    model_args(p, 4, 512)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("list", help="the fusions, what each matches and when it is selected")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_list)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

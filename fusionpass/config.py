@@ -1,0 +1,81 @@
+"""Which fusions are on, the thresholds of their cost rules, and FUSIONPASS_* environment overrides.
+
+A `Config` is immutable and hashable: it is part of every pass's `uuid()`, so two compiles with
+different settings never share an FX-graph-cache entry.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+
+# Stable names, used in config, statistics, the CLI and tests. Only some have an implementation
+# yet; `fusionpass list` says which.
+FUSION_NAMES = (
+    "rms_norm_residual",
+    "layer_norm_dropout_residual",
+    "rope",
+    "attention",
+    "decode_attention",
+    "attention_out_proj",
+    "swiglu_mlp",
+    "linear_cross_entropy",
+)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    fusions: frozenset[str] = frozenset(FUSION_NAMES)
+    # Match graphs whose tensors live on the CPU. The kernels are Triton kernels for CUDA; on CPU
+    # Inductor's own C++ code beats an opaque op, so by default CPU graphs are left alone (near
+    # miss "device cpu"). When on, the fused ops run their Triton kernels under the interpreter if
+    # TRITON_INTERPRET=1 (the tests), else a torch reference (`fusionpass explain` without a GPU).
+    cpu: bool = False
+    # rms_norm_residual cost rule: rows shorter than this stay with Inductor (many tiny rows,
+    # e.g. per-head QK-norm, are launch- and occupancy-bound in a row-per-program kernel).
+    rms_norm_min_width: int = 512
+    rms_norm_max_width: int = 65536
+
+    def __post_init__(self):
+        unknown = set(self.fusions) - set(FUSION_NAMES)
+        if unknown:
+            raise ValueError(
+                f"unknown fusion(s) {sorted(unknown)}; known: {', '.join(FUSION_NAMES)}"
+            )
+
+    def replace(self, **changes) -> Config:
+        return dataclasses.replace(self, **changes)
+
+    def key(self) -> str:
+        """A stable text form for cache keys."""
+        fields = dataclasses.asdict(self)
+        fields["fusions"] = sorted(self.fusions)
+        return repr(sorted(fields.items()))
+
+
+def _split(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def from_env(base: Config | None = None, environ=os.environ) -> Config:
+    """Apply FUSIONPASS_FUSIONS (comma list, replaces the set), FUSIONPASS_DISABLE (comma list,
+    removed from it), FUSIONPASS_CPU (1/0) and FUSIONPASS_RMS_NORM_MIN_WIDTH over `base`."""
+    cfg = base or Config()
+    if "FUSIONPASS_FUSIONS" in environ:
+        cfg = cfg.replace(fusions=frozenset(_split(environ["FUSIONPASS_FUSIONS"])))
+    if "FUSIONPASS_DISABLE" in environ:
+        cfg = cfg.replace(fusions=cfg.fusions - frozenset(_split(environ["FUSIONPASS_DISABLE"])))
+    if "FUSIONPASS_CPU" in environ:
+        cfg = cfg.replace(cpu=environ["FUSIONPASS_CPU"].lower() in ("1", "true", "on", "yes"))
+    if "FUSIONPASS_RMS_NORM_MIN_WIDTH" in environ:
+        cfg = cfg.replace(rms_norm_min_width=int(environ["FUSIONPASS_RMS_NORM_MIN_WIDTH"]))
+    return cfg
+
+
+def make(fusions: Iterable[str] | None = None, **overrides) -> Config:
+    """The config for one backend: environment overrides first, then the caller's arguments."""
+    cfg = from_env()
+    if fusions is not None:
+        cfg = cfg.replace(fusions=frozenset(fusions))
+    return cfg.replace(**overrides) if overrides else cfg

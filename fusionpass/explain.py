@@ -1,0 +1,138 @@
+"""`fusionpass.explain(model, *inputs)`: compile once, report what matched where and what almost did."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections import Counter
+
+import torch
+
+from fusionpass import config as config_mod
+from fusionpass import registry
+from fusionpass.passes import STATISTICS
+
+
+@dataclasses.dataclass
+class Report:
+    matches: dict[str, int]  # per fusion
+    variants: dict[tuple[str, str], int]  # per (fusion, variant)
+    near_misses: list[tuple[str, str, str]]  # (fusion, where, reason)
+    graphs: int
+    graph_breaks: int
+    device: str
+    enabled: tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "matches": self.matches,
+            "variants": {f"{f}/{v}": n for (f, v), n in sorted(self.variants.items())},
+            "near_misses": [
+                {"fusion": f, "where": w, "reason": r} for f, w, r in self.near_misses
+            ],
+            "graphs": self.graphs,
+            "graph_breaks": self.graph_breaks,
+            "device": self.device,
+            "enabled": list(self.enabled),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        declared = registry.registered()
+        lines = [
+            f"fusionpass explain: {self.graphs} graph(s), {self.graph_breaks} graph break(s), "
+            f"device {self.device}"
+        ]
+        if self.device == "cpu":
+            lines.append(
+                "  (CPU graphs: matches are shown as they would be made for CUDA tensors; by "
+                "default fusionpass leaves CPU graphs to Inductor)"
+            )
+        rows = []
+        for name in config_mod.FUSION_NAMES:
+            if name not in declared:
+                status = "not implemented yet"
+            elif name not in self.enabled:
+                status = "disabled"
+            else:
+                status = ", ".join(
+                    f"{v}: {n}" for (f, v), n in sorted(self.variants.items()) if f == name
+                ) or "-"
+            rows.append((name, str(self.matches.get(name, 0)), status))
+        lines += _table(("fusion", "matches", "variants"), rows)
+        if self.near_misses:
+            lines.append("")
+            lines.append("near misses (left to Inductor):")
+            lines += _table(("fusion", "where", "reason"), self.near_misses)
+        return "\n".join(lines)
+
+
+def _table(header, rows) -> list[str]:
+    rows = [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [
+        fmt.format(*r).rstrip() for r in rows
+    ]
+
+
+def _device_of(model, args) -> str:
+    for t in [*args, *(p for p in getattr(model, "parameters", lambda: [])())]:
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"
+
+
+@contextlib.contextmanager
+def fresh_compile_caches():
+    """Compile for real: a cache hit would skip our pass and report nothing."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    patches = [inductor_config.patch(fx_graph_cache=False)]
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        patches.append(functorch_config.patch(enable_autograd_cache=False))
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield
+
+
+def explain(model, *args, fusions=None, train: bool | None = None, **kwargs) -> Report:
+    """Compile `model` with the fusionpass backend, run it once on the inputs, and report.
+
+    Resets Dynamo's caches first (so every graph is compiled afresh). `train` (default:
+    `model.training`) runs the forward with grad enabled, as a training step would trace it.
+    CPU models are matched as if their tensors were on CUDA (see Report).
+    """
+    from fusionpass.backend import FusionpassBackend
+
+    device = _device_of(model, args)
+    cfg = config_mod.make(fusions, cpu=True) if device == "cpu" else config_mod.make(fusions)
+    train = getattr(model, "training", False) if train is None else train
+    torch._dynamo.reset()
+    before = len(STATISTICS.records)
+    breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
+    compiled = torch.compile(model, backend=FusionpassBackend(cfg))
+    with fresh_compile_caches(), torch.set_grad_enabled(train):
+        compiled(*args, **kwargs)
+    records = STATISTICS.records[before:]
+    variants: Counter = Counter()
+    misses = []
+    for r in records:
+        variants.update(r.matches)
+        misses.extend(r.near_misses)
+    per_fusion: Counter = Counter()
+    for (f, _), n in variants.items():
+        per_fusion[f] += n
+    return Report(
+        matches=dict(per_fusion),
+        variants=dict(variants),
+        near_misses=misses,
+        graphs=len(records),
+        graph_breaks=sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before,
+        device=device,
+        enabled=tuple(n for n in config_mod.FUSION_NAMES if n in cfg.fusions),
+    )

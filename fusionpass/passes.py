@@ -1,0 +1,161 @@
+"""The pass object installed into Inductor, its cache identity, and match statistics.
+
+Why the pre-grad hook (`torch._inductor.config.pre_grad_custom_pass`), by evidence (CPU study on
+torch 2.11 and 2.13, see DESIGN.md):
+  - it sees the Dynamo graph once, before AOTAutograd, for inference *and* training. Replacing a
+    subgraph there with a custom op that has `register_autograd` makes AOTAutograd trace our
+    backward op into the backward graph, so forward and backward are both fused from one match;
+  - it handles frozen weights, inputs without grad and dynamic shapes (`dynamic=True` turns a
+    norm's eps into a SymFloat from `.item()`, which a custom op's `float` argument accepts);
+  - ops are still device-neutral torch calls there (`F.scaled_dot_product_attention`,
+    `F.dropout`); after AOTAutograd SDPA is a device-specific op, dropout is `inductor_random`, and
+    a pattern traced on CPU would not match CUDA graphs;
+  - the joint-graph hook needs one traced variant per requires-grad combination and cannot express
+    inputs without grad; post-grad hooks see forward and backward apart and fused 0 training
+    matches in the study.
+The price: the graph is not normalized, so patterns read it through `fusionpass.patterns.graph`.
+
+torch 2.11 takes one pass per hook (2.13 also takes a list), so there is one pass object for the
+hook; it runs the enabled fusions in order and then a pass the user had installed there before.
+Its `uuid()` covers our sources, the config and the torch/triton versions, so Inductor's FX graph
+cache stays on and never serves code compiled by another version of a pattern or kernel. On a
+cache hit the pass does not run (the cached code still calls our ops): statistics count what was
+compiled, so match-count tests use fresh caches.
+"""
+from __future__ import annotations
+
+import hashlib
+import pathlib
+import threading
+from collections import Counter
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from fusionpass import registry
+from fusionpass.config import Config
+
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+
+
+def _source_digest() -> str:
+    """sha256 of every source file of the package: patterns, kernels, ops and this machinery."""
+    h = hashlib.sha256()
+    for path in sorted(_PACKAGE_DIR.rglob("*.py")):
+        h.update(str(path.relative_to(_PACKAGE_DIR)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+_SOURCE_DIGEST: str | None = None
+
+
+def source_digest() -> str:
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        _SOURCE_DIGEST = _source_digest()
+    return _SOURCE_DIGEST
+
+
+class _Statistics:
+    """Match counts per fusion and per variant, and near misses, since the last reset."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.variants: Counter = Counter()
+            self.near_misses: list[tuple[str, str, str]] = []
+            self.records: list[registry.Record] = []
+
+    def add(self, record: registry.Record) -> None:
+        with self._lock:
+            self.variants.update(record.matches)
+            self.near_misses.extend(record.near_misses)
+            self.records.append(record)
+
+    def per_fusion(self) -> dict[str, int]:
+        out: Counter = Counter()
+        for (fusion, _), n in self.variants.items():
+            out[fusion] += n
+        return dict(out)
+
+
+STATISTICS = _Statistics()
+
+
+class PreGradFusionPass(CustomGraphPass):
+    """`pre_grad_custom_pass`: runs every enabled fusion over the Dynamo graph."""
+
+    def __init__(self, config: Config, inner=None, sink: list | None = None):
+        self.config = config
+        self.inner = inner  # a pass the user had installed on this hook before us
+        # Where records go: STATISTICS at once, or a list the backend commits only when the
+        # compile succeeds (Dynamo may abandon a compile and re-trace, e.g. with dynamic=True when
+        # it specializes a float our op takes; the abandoned graph must not count).
+        self.sink = sink
+
+    def __call__(self, graph: fx.Graph) -> None:
+        import fusionpass.ops  # noqa: F401  (the custom ops the replacements call)
+
+        record = registry.Record()
+        changed = 0
+        for name, fusion in registry.registered().items():
+            if name in self.config.fusions:
+                changed += registry.apply(fusion, graph, self.config, record)
+        if changed:
+            from torch._inductor.pattern_matcher import stable_topological_sort
+
+            stable_topological_sort(graph)
+            graph.lint()
+        if self.sink is None:
+            STATISTICS.add(record)
+        else:
+            self.sink.append(record)
+        if self.inner is not None:
+            self.inner(graph)
+
+    def uuid(self) -> str:
+        import triton
+
+        parts = [
+            "fusionpass-pre-grad",
+            source_digest(),
+            self.config.key(),
+            torch.__version__,
+            triton.__version__,
+        ]
+        if self.inner is not None:
+            inner_uuid = getattr(self.inner, "uuid", lambda: None)()
+            if inner_uuid is None:
+                # The user's pass cannot be keyed: neither can we (Inductor then bypasses the cache).
+                return None
+            parts.append(repr(inner_uuid))
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def chained(config: Config, existing, sink: list | None = None) -> PreGradFusionPass:
+    """Our pass in front of whatever is on the hook already (never ourselves twice)."""
+    if isinstance(existing, PreGradFusionPass):
+        existing = existing.inner
+    if isinstance(existing, (list, tuple)):
+        existing = _Sequence(tuple(existing)) if existing else None
+    return PreGradFusionPass(config, existing, sink)
+
+
+class _Sequence(CustomGraphPass):
+    """Several user passes (torch >= 2.13 accepts a list on a hook) seen as one."""
+
+    def __init__(self, passes):
+        self.passes = passes
+
+    def __call__(self, graph):
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self):
+        uuids = [getattr(p, "uuid", lambda: None)() for p in self.passes]
+        return None if any(u is None for u in uuids) else repr(uuids)

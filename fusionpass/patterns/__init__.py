@@ -1,0 +1,5 @@
+"""One module per fusion family; importing a module declares its fusion in the registry."""
+
+# The modules `fusionpass.registry.registered()` imports, in no particular order (the pass runs
+# fusions in the order of `fusionpass.config.FUSION_NAMES`).
+MODULES = ("fusionpass.patterns.rms_norm",)

@@ -1,0 +1,257 @@
+"""Reading the Dynamo (pre-grad) graph the way a pattern needs it.
+
+That graph is not normalized: `x + y` may be `operator.add`, `torch.add` or `x.add(y)`; an upcast
+may be `.float()`, `.to(torch.float32)`, `.to(dtype=torch.float32)` or `.type_as(t)`. These helpers
+give each node one canonical op name and expose the example values Dynamo recorded
+(`node.meta["example_value"]`), so patterns are written once per *model* spelling, not once per
+Python spelling.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.fx as fx
+
+# call_function targets -> canonical op name
+_FUNCTIONS = {
+    operator.add: "add",
+    torch.add: "add",
+    operator.mul: "mul",
+    torch.mul: "mul",
+    operator.sub: "sub",
+    torch.sub: "sub",
+    operator.truediv: "div",
+    torch.div: "div",
+    operator.pow: "pow",
+    torch.pow: "pow",
+    torch.rsqrt: "rsqrt",
+    torch.sqrt: "sqrt",
+    torch.mean: "mean",
+    torch.square: "square",
+    operator.neg: "neg",
+    torch.neg: "neg",
+}
+# call_method names -> canonical op name (in-place methods are deliberately absent: they mutate
+# a tensor other nodes may still read)
+_METHODS = {
+    "add": "add",
+    "mul": "mul",
+    "sub": "sub",
+    "div": "div",
+    "pow": "pow",
+    "rsqrt": "rsqrt",
+    "sqrt": "sqrt",
+    "mean": "mean",
+    "square": "square",
+    "neg": "neg",
+    "to": "cast",
+    "float": "cast",
+    "half": "cast",
+    "bfloat16": "cast",
+    "type": "cast",
+    "type_as": "cast",
+}
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def op(node) -> str | None:
+    """Canonical op name of a call node, or None (placeholders, unknown calls, literals)."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function":
+        return _FUNCTIONS.get(node.target)
+    if node.op == "call_method":
+        return _METHODS.get(node.target)
+    return None
+
+
+def is_op(node, name: str) -> bool:
+    return op(node) == name
+
+
+def value(node):
+    """The example value Dynamo recorded for a node (FakeTensor, SymInt, SymFloat, ...)."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def tensor(node) -> torch.Tensor | None:
+    v = value(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def dtype(node) -> torch.dtype | None:
+    t = tensor(node)
+    return None if t is None else t.dtype
+
+
+def first_arg(node):
+    """The tensor a method or function is applied to."""
+    return node.args[0] if node.args else None
+
+
+def binary_operands(node) -> tuple | None:
+    """(lhs, rhs) of a binary add/mul/sub/div; None if it has extra arguments (alpha=, out=)."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    return node.args[0], node.args[1]
+
+
+def commuted(node) -> list[tuple]:
+    """Both operand orders of a commutative binary node (add, mul)."""
+    pair = binary_operands(node)
+    if pair is None:
+        return []
+    return [pair, (pair[1], pair[0])]
+
+
+def cast_source(node):
+    """If `node` only changes dtype (same device, same shape), return the tensor it casts."""
+    if not is_op(node, "cast"):
+        return None
+    src = first_arg(node)
+    src_t, out_t = tensor(src), tensor(node)
+    if src_t is None or out_t is None:
+        return None
+    if src_t.device != out_t.device or src_t.shape != out_t.shape:
+        return None
+    if node.target in ("to", "type"):
+        # .to(dtype) / .to(dtype=...) / .type(dtype): anything else (copy=, memory_format=,
+        # non_blocking=) changes more than the dtype.
+        extra = [a for a in node.args[1:] if not isinstance(a, (torch.dtype, torch.device))]
+        if extra or set(node.kwargs) - {"dtype", "device"}:
+            return None
+    return src
+
+
+def strip_upcasts(node):
+    """Follow exact casts back: to float32 from a float dtype of at most 32 bits (and no-op casts)."""
+    while True:
+        src = cast_source(node)
+        if src is None:
+            return node
+        if dtype(node) == dtype(src) or (
+            dtype(node) == torch.float32 and dtype(src) in FLOAT_DTYPES
+        ):
+            node = src
+        else:
+            return node
+
+
+def scalar(arg):
+    """A Python number literal, or a node that stands for one at run time (a SymFloat/SymInt from
+    `.item()` under dynamic=True). Returns (ok, value_or_node)."""
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        return True, arg
+    if isinstance(arg, fx.Node) and isinstance(value(arg), (torch.SymFloat, torch.SymInt)):
+        return True, arg
+    return False, None
+
+
+def is_literal(arg, expected) -> bool:
+    return isinstance(arg, (int, float)) and not isinstance(arg, bool) and arg == expected
+
+
+def reduces_last_dim(node) -> bool:
+    """`mean`/`sum` over the last dimension only, keeping it (what a norm writes)."""
+    args = list(node.args[1:])
+    kwargs = dict(node.kwargs)
+    dim = kwargs.pop("dim", args.pop(0) if args else None)
+    keepdim = kwargs.pop("keepdim", args.pop(0) if args else False)
+    if args or kwargs or keepdim is not True:
+        return False
+    t = tensor(first_arg(node))
+    if t is None:
+        return False
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            return False
+        dim = dim[0]
+    return isinstance(dim, int) and dim in (-1, t.dim() - 1)
+
+
+def single_user(node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def escaping(nodes: Iterable[fx.Node], keep: Iterable[fx.Node] = ()) -> list[fx.Node]:
+    """Nodes of a match whose values are read outside it (excluding the ones the replacement
+    provides again)."""
+    inside = set(nodes)
+    keep = set(keep)
+    return [n for n in inside if n not in keep and any(u not in inside for u in n.users)]
+
+
+def last_dim_contiguous(t: torch.Tensor) -> bool:
+    return t.dim() == 0 or t.shape[-1] == 1 or t.stride(-1) == 1
+
+
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def where(node: fx.Node) -> str:
+    """The module path that produced a node (`model.layers.0.input_layernorm`), else its name."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        path = re.sub(r"^L\[?'?self'?\]?\.?", "", path)
+        path = _INDEX.sub(r".\1", path).replace("._modules['", ".").replace("']", "")
+        return path.strip(".") or node.name
+    return node.name
+
+
+def fake_mode_of(nodes: Iterable) -> object | None:
+    """The fake mode the example values were made in (not the ambient tracing context's)."""
+    for n in nodes:
+        mode = getattr(tensor(n), "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def insert_call(graph: fx.Graph, before: fx.Node, target, args: tuple, like: fx.Node) -> fx.Node:
+    """Insert `target(*args)` before `before`, with its example value computed under the graph's
+    fake mode (later patterns read it) and provenance copied from `like`."""
+    with graph.inserting_before(before):
+        new = graph.call_function(target, args)
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
+        if key in like.meta:
+            new.meta[key] = like.meta[key]
+    mode = fake_mode_of([a for a in args if isinstance(a, fx.Node)])
+    if mode is not None:
+        fake_args = [value(a) if isinstance(a, fx.Node) else a for a in args]
+        with mode:
+            new.meta["example_value"] = target(*fake_args)
+    return new
+
+
+def insert_getitems(graph: fx.Graph, tuple_node: fx.Node, count: int) -> list[fx.Node]:
+    out = []
+    with graph.inserting_after(tuple_node):
+        for i in reversed(range(count)):
+            item = graph.call_function(operator.getitem, (tuple_node, i))
+            if "example_value" in tuple_node.meta:
+                item.meta["example_value"] = tuple_node.meta["example_value"][i]
+            for key in ("nn_module_stack", "stack_trace"):
+                if key in tuple_node.meta:
+                    item.meta[key] = tuple_node.meta[key]
+            out.append(item)
+    return list(reversed(out))
+
+
+def erase_unused(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
+    """Erase the given nodes that no longer have users, latest first."""
+    pending = [n for n in nodes]
+    changed = True
+    while changed:
+        changed = False
+        for n in list(pending):
+            if not n.users and not getattr(n, "_erased", False):
+                graph.erase_node(n)
+                pending.remove(n)
+                changed = True

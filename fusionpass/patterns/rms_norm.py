@@ -1,0 +1,341 @@
+"""rms_norm_residual: RMSNorm, optionally of a residual sum, as model families write it.
+
+The match starts at the `rsqrt` of the statistics,
+    rstd = rsqrt(mean(hf^2, dim=-1, keepdim=True) + eps)        (or hf * hf, or square(hf))
+    n    = X * rstd                                              X, hf: exact upcasts of one h
+and the *output forms* below say what follows n. If h itself is `a + b` of two tensors of its own
+shape and dtype, the add is fused too and h comes out of the kernel for its other users (the next
+residual). Casts to float32 from bf16/fp16 are exact, so `.float()` / `.to(float32)` / no cast at
+all (T5 multiplies bf16 h by fp32 rstd) compute the same n.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fusionpass import registry
+from fusionpass.patterns import graph as g
+from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
+
+# ---------------------------------------------------------------------------------------------
+# statistics: rsqrt(mean(hf^2) + eps), and n = X * rstd
+
+
+def _squared(node):
+    """hf if node is hf**2, hf*hf or square(hf)."""
+    if g.is_op(node, "pow") and len(node.args) == 2 and g.is_literal(node.args[1], 2):
+        return node.args[0]
+    if g.is_op(node, "mul") and g.binary_operands(node) and node.args[0] is node.args[1]:
+        return node.args[0]
+    if g.is_op(node, "square") and len(node.args) == 1:
+        return node.args[0]
+    return None
+
+
+def _statistics(rsqrt: fx.Node):
+    """(hf, eps, nodes) of rsqrt(mean(hf^2, -1, keepdim=True) + eps), or None."""
+    add = g.first_arg(rsqrt)
+    if not g.is_op(add, "add") or len(rsqrt.args) != 1:
+        return None
+    for mean, eps in g.commuted(add):
+        if not (g.is_op(mean, "mean") and g.reduces_last_dim(mean)):
+            continue
+        hf = _squared(g.first_arg(mean))
+        if hf is None:
+            return None
+        is_scalar, eps_value = g.scalar(eps)
+        if not is_scalar:
+            raise NearMiss("eps is a tensor, not a constant or a scalar graph input")
+        return hf, eps_value, [add, mean, g.first_arg(mean)]
+    return None
+
+
+def _normalized(rsqrt: fx.Node, h: fx.Node):
+    """n = X * rstd where X is h or an exact upcast of it."""
+    users = list(rsqrt.users)
+    if len(users) != 1:
+        raise NearMiss("rstd has other users")
+    n = users[0]
+    if g.is_op(n, "mul"):
+        for x, r in g.commuted(n):
+            if r is rsqrt and isinstance(x, fx.Node) and g.strip_upcasts(x) is h:
+                return n, x
+    return None
+
+
+def _upcast_chain(node: fx.Node, base: fx.Node) -> list[fx.Node]:
+    chain = []
+    while node is not base:
+        chain.append(node)
+        node = g.first_arg(node)
+    return chain
+
+
+# ---------------------------------------------------------------------------------------------
+# output forms: what follows n. Each returns (y, weight, weight_offset, weight_after_cast, nodes)
+# or None; `dtype` is the input (h) dtype.
+
+
+def _next(node):
+    return g.single_user(node)
+
+
+def _weight_operand(mul: fx.Node, operand: fx.Node):
+    """The other operand of `mul`, or None."""
+    for a, b in g.commuted(mul):
+        if a is operand and isinstance(b, fx.Node):
+            return b
+    return None
+
+
+def llama_form(n: fx.Node, dtype):
+    """HF Llama/Mistral/Qwen2/Qwen3/Phi-3 and T5: `weight * n.to(input_dtype)`."""
+    cast = _next(n)
+    if g.cast_source(cast) is not n:
+        return None
+    mul = _next(cast)
+    if not g.is_op(mul, "mul"):
+        return None
+    weight = _weight_operand(mul, cast)
+    if weight is None:
+        return None
+    return mul, weight, 0.0, g.dtype(cast) != torch.float32, [cast, mul]
+
+
+def _float_weight(node):
+    """(weight, cast nodes) for `w`, `w.float()`, `w.to(float32)`."""
+    base = g.strip_upcasts(node)
+    return base, _upcast_chain(node, base)
+
+
+def gemma_form(n: fx.Node, dtype):
+    """Gemma 1/2/3: `(n * (1.0 + weight.float())).type_as(x)`."""
+    mul = _next(n)
+    if not g.is_op(mul, "mul"):
+        return None
+    scale = _weight_operand(mul, n)
+    if scale is None or not g.is_op(scale, "add"):
+        return None
+    for one, w in g.commuted(scale):
+        if g.is_literal(one, 1) and isinstance(w, fx.Node):
+            weight, casts = _float_weight(w)
+            y, tail = _optional_downcast(mul)
+            return y, weight, 1.0, False, [mul, scale, *casts, *tail]
+    return None
+
+
+def weight_in_fp32_form(n: fx.Node, dtype):
+    """Plain fp32 RMSNorm (`x * rsqrt(...) * w`), and weights applied before the downcast."""
+    mul = _next(n)
+    if not g.is_op(mul, "mul"):
+        return None
+    w = _weight_operand(mul, n)
+    if w is None or g.is_op(w, "add"):
+        return None
+    weight, casts = _float_weight(w)
+    y, tail = _optional_downcast(mul)
+    # a bf16 n (no upcast anywhere) times a bf16 weight multiplies rounded values, like llama_form
+    after_cast = g.dtype(n) != torch.float32
+    return y, weight, 0.0, after_cast, [mul, *casts, *tail]
+
+
+def no_weight_form(n: fx.Node, dtype):
+    """Norms without an affine weight: `n.to(input_dtype)`, or n itself in fp32 models."""
+    y, tail = _optional_downcast(n)
+    return y, None, 0.0, False, tail
+
+
+def _optional_downcast(node):
+    cast = _next(node)
+    if g.cast_source(cast) is node:
+        return cast, [cast]
+    return node, []
+
+
+OUTPUT_FORMS = (
+    ("llama", llama_form),
+    ("gemma", gemma_form),
+    ("weight_in_fp32", weight_in_fp32_form),
+    ("no_weight", no_weight_form),
+)
+
+
+def _residual_operands(h: fx.Node):
+    """(a, b) if h = a + b of two tensors shaped and typed like h (a residual add)."""
+    if not g.is_op(h, "add"):
+        return None
+    pair = g.binary_operands(h)
+    if pair is None:
+        return None
+    ht = g.tensor(h)
+    for t in pair:
+        tt = g.tensor(t)
+        if tt is None or tt.shape != ht.shape or tt.dtype != ht.dtype:
+            return None
+    return pair
+
+
+def _search(form_name, form):
+    def search(rsqrt: fx.Node) -> Match | None:
+        stats = _statistics(rsqrt)
+        if stats is None:
+            return None
+        hf, eps, stat_nodes = stats
+        h = g.strip_upcasts(hf)
+        normalized = _normalized(rsqrt, h)
+        if normalized is None:
+            return None
+        n, x = normalized
+        out = form(n, g.dtype(h))
+        if out is None:
+            return None
+        y, weight, offset, after_cast, out_nodes = out
+        if offset and after_cast:
+            raise NearMiss("1 + weight applied after the downcast: no kernel variant for it")
+        residual = _residual_operands(h)
+        nodes = [
+            *_upcast_chain(hf, h),
+            *_upcast_chain(x, h),
+            *stat_nodes,
+            rsqrt,
+            n,
+            *out_nodes,
+        ]
+        variant = form_name if residual else f"{form_name}_no_residual"
+        return Match(
+            variant=variant,
+            anchor=rsqrt,
+            nodes=[*dict.fromkeys(nodes), *([h] if residual else [])],
+            bindings=dict(
+                h=h,
+                residual=residual,
+                y=y,
+                weight=weight,
+                eps=eps,
+                weight_offset=offset,
+                weight_after_cast=after_cast,
+            ),
+        )
+
+    return search
+
+
+# ---------------------------------------------------------------------------------------------
+# guards
+
+
+def device_supported(m: Match, cfg) -> str | None:
+    device = g.tensor(m.bindings["h"]).device
+    if device.type == "cuda" or (device.type == "cpu" and cfg.cpu):
+        return None
+    return f"device {device.type}: Inductor's own code runs there"
+
+
+def dtypes_agree(m: Match, cfg) -> str | None:
+    b = m.bindings
+    dtype = g.dtype(b["h"])
+    if dtype not in g.FLOAT_DTYPES:
+        return f"input dtype {dtype} is not float32/float16/bfloat16"
+    if g.dtype(b["y"]) != dtype:
+        return f"output dtype {g.dtype(b['y'])} differs from input dtype {dtype} (mixed-dtype math)"
+    weight = b["weight"]
+    if weight is not None:
+        wdtype = g.dtype(weight)
+        if wdtype not in g.FLOAT_DTYPES:
+            return f"weight dtype {wdtype} is not a float dtype"
+        if b["weight_after_cast"] and wdtype != dtype:
+            return f"weight dtype {wdtype} differs from input dtype {dtype}"
+    return None
+
+
+def weight_is_per_channel(m: Match, cfg) -> str | None:
+    weight = m.bindings["weight"]
+    if weight is None:
+        return None
+    wt = g.tensor(weight)
+    width = g.tensor(m.bindings["h"]).shape[-1]
+    if wt is None or wt.dim() != 1 or wt.shape[0] != width:
+        shape = None if wt is None else tuple(wt.shape)
+        return f"weight of shape {shape} is not one value per channel ({width},)"
+    return None
+
+
+def width_in_range(m: Match, cfg) -> str | None:
+    width = g.tensor(m.bindings["h"]).shape[-1]
+    if not isinstance(width, int):
+        return f"row width {width} is symbolic"
+    if width < cfg.rms_norm_min_width:
+        return f"row width {width} < {cfg.rms_norm_min_width}: Inductor's fused code wins on short rows"
+    if width > cfg.rms_norm_max_width:
+        return f"row width {width} > {cfg.rms_norm_max_width}: beyond the kernel's row limit"
+    return None
+
+
+def rows_contiguous(m: Match, cfg) -> str | None:
+    b = m.bindings
+    tensors = [b["h"], *(b["residual"] or ())]
+    for node in tensors:
+        if not g.last_dim_contiguous(g.tensor(node)):
+            return f"{node.name} is not contiguous in its last dimension"
+    return None
+
+
+def intermediates_private(m: Match, cfg) -> str | None:
+    keep = [m.bindings["y"], m.bindings["h"]]
+    leaked = g.escaping(m.nodes, keep=keep)
+    if leaked:
+        return f"intermediate {', '.join(sorted(n.name for n in leaked))} is used elsewhere"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# replacement
+
+
+def replace(graph: fx.Graph, m: Match, cfg) -> None:
+    b = m.bindings
+    y = b["y"]
+    flags = (b["eps"], b["weight_offset"], b["weight_after_cast"])
+    if b["residual"]:
+        a, r = b["residual"]
+        fused = g.insert_call(
+            graph, y, torch.ops.fusionpass.rms_norm_residual.default, (a, r, b["weight"], *flags), y
+        )
+        new_y, new_h, _ = g.insert_getitems(graph, fused, 3)
+        b["h"].replace_all_uses_with(new_h)
+    else:
+        fused = g.insert_call(
+            graph, y, torch.ops.fusionpass.rms_norm.default, (b["h"], b["weight"], *flags), y
+        )
+        new_y, _ = g.insert_getitems(graph, fused, 2)
+    y.replace_all_uses_with(new_y)
+    g.erase_unused(graph, m.nodes)
+
+
+RMS_NORM_RESIDUAL = registry.register(
+    Fusion(
+        name="rms_norm_residual",
+        matches=(
+            "RMSNorm (HF Llama/Mistral/Qwen2/Qwen3/Phi-3 `w * n.to(dtype)`, Gemma `1 + w` in fp32, "
+            "T5, plain fp32), with the residual add before it fused when there is one; the sum is "
+            "returned for the next residual"
+        ),
+        selected_when=(
+            "CUDA tensors, float32/float16/bfloat16 without dtype mixing, constant eps, "
+            "per-channel weight, row width 512..65536"
+        ),
+        anchor=lambda node: g.is_op(node, "rsqrt"),
+        variants=tuple(Variant(name, _search(name, form)) for name, form in OUTPUT_FORMS),
+        guards=(
+            Guard("device", device_supported),
+            Guard("dtype", dtypes_agree),
+            Guard("weight_shape", weight_is_per_channel),
+            Guard("width", width_in_range),
+            Guard("strides", rows_contiguous),
+            Guard("intermediates", intermediates_private),
+        ),
+        replace=replace,
+        unmatched="rsqrt found, but not an RMSNorm form (mean of squares over the last dim, "
+        "times its input, then a known weight form)",
+    )
+)

@@ -1,0 +1,145 @@
+"""How a fusion is declared, and the one loop that applies every declared fusion to a graph.
+
+A fusion is data:
+  - `anchor`: a cheap test that picks the node a match starts from (e.g. the `rsqrt` of a norm);
+  - `variants`: search functions, one per way real models write the subgraph; each takes the
+    anchor and returns a `Match` or None, or raises `NearMiss` when it recognised the subgraph but
+    cannot use it;
+  - `guards`: small named checks that say "safe and faster here"; the first failing one records a
+    near miss with its reason and the graph is left alone;
+  - `replace`: rewrites the graph for a match that passed every guard.
+Later fusions declare themselves with `register(Fusion(...))` and reuse this loop, the near-miss
+reasons and the per-fusion/per-variant counts without copying them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+
+from fusionpass.config import FUSION_NAMES, Config
+from fusionpass.patterns.graph import where
+
+
+class NearMiss(Exception):
+    """Raised by a search function that recognised the subgraph but cannot prove it is safe."""
+
+
+@dataclasses.dataclass
+class Match:
+    variant: str
+    anchor: fx.Node
+    nodes: list[fx.Node]  # every node the replacement makes dead
+    bindings: dict[str, Any]  # what the replacement and the guards read
+
+
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    name: str
+    check: Callable[[Match, Config], str | None]  # a reason when it fails, else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    search: Callable[[fx.Node], Match | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    name: str
+    matches: str  # what it matches, in words (`fusionpass list`)
+    selected_when: str  # its cost rule, in words
+    anchor: Callable[[fx.Node], bool]
+    variants: tuple[Variant, ...]
+    guards: tuple[Guard, ...]
+    replace: Callable[[fx.Graph, Match, Config], None]
+    # reported when the anchor was found but no variant matched it
+    unmatched: str = "no known variant matches the surrounding ops"
+    modules: tuple[str, ...] = ()  # source modules beyond the declaring one (kernels, ops)
+
+    def __post_init__(self):
+        if self.name not in FUSION_NAMES:
+            raise ValueError(f"{self.name!r} is not one of the stable fusion names {FUSION_NAMES}")
+
+
+@dataclasses.dataclass
+class Record:
+    """What one pass over one graph found."""
+
+    matches: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    near_misses: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+
+    def matched(self, fusion: str, variant: str) -> None:
+        key = (fusion, variant)
+        self.matches[key] = self.matches.get(key, 0) + 1
+
+    def missed(self, fusion: str, node: fx.Node, reason: str) -> None:
+        self.near_misses.append((fusion, where(node), reason))
+
+
+_FUSIONS: dict[str, Fusion] = {}
+
+
+def register(fusion: Fusion) -> Fusion:
+    if fusion.name in _FUSIONS and _FUSIONS[fusion.name] is not fusion:
+        raise ValueError(f"fusion {fusion.name!r} is already registered")
+    _FUSIONS[fusion.name] = fusion
+    return fusion
+
+
+def registered() -> dict[str, Fusion]:
+    """Declared fusions, in the order their passes run (the order of FUSION_NAMES)."""
+    _load()
+    return {n: _FUSIONS[n] for n in FUSION_NAMES if n in _FUSIONS}
+
+
+def _load() -> None:
+    # Importing the pattern modules declares their fusions.
+    import importlib
+
+    from fusionpass.patterns import MODULES
+
+    for module in MODULES:
+        importlib.import_module(module)
+
+
+def _is_erased(node: fx.Node) -> bool:
+    return getattr(node, "_erased", False)
+
+
+def apply(fusion: Fusion, graph: fx.Graph, config: Config, record: Record) -> int:
+    """Find every anchor of `fusion` in `graph`, match, guard, replace. Returns the match count."""
+    count = 0
+    for node in list(graph.nodes):
+        if _is_erased(node) or not fusion.anchor(node):
+            continue
+        match = None
+        try:
+            for variant in fusion.variants:
+                match = variant.search(node)
+                if match is not None:
+                    break
+        except NearMiss as miss:
+            record.missed(fusion.name, node, str(miss))
+            continue
+        if match is None:
+            record.missed(fusion.name, node, fusion.unmatched)
+            continue
+        reason = next(
+            (
+                f"{guard.name}: {why}"
+                for guard in fusion.guards
+                if (why := guard.check(match, config)) is not None
+            ),
+            None,
+        )
+        if reason is not None:
+            record.missed(fusion.name, node, reason)
+            continue
+        fusion.replace(graph, match, config)
+        record.matched(fusion.name, match.variant)
+        count += 1
+    return count
