@@ -1,0 +1,619 @@
+"""Triton kernels for RMSNorm with an optional fused residual add (`rms_norm_residual`).
+
+Forward:   h = round(x + residual)   (or h = x)
+           rstd = 1 / sqrt(mean(h_f32^2) + eps)
+           y = round(round(n) * w)        weight_after_cast (Llama, Mistral, Qwen2)
+           y = round(n * (w + offset))    otherwise (Gemma with offset 1.0, fp32 RMSNorm)
+Backward:  dx = round(rstd * (g - n * mean(g * n)) + dh),  g = dy * (w + offset)
+           dweight = sum_rows dy * round(n)  (or dy * n), reduced without atomics.
+
+Every kernel runs compiled on CUDA and unchanged under TRITON_INTERPRET=1 on CPU tensors; the
+only difference is ROUND_BITS (see `_round`).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rms_norm_fwd", "rms_norm_bwd"]
+
+# Rows whose next power of two is at most this stay in registers, one row (or a tile of rows) per
+# program; longer rows loop over chunks of _CHUNK columns. With the warps below, ptxas for sm_90
+# gives every variant <= 102 registers per thread and no spills; a 16384 backward row would spill.
+MAX_FUSED_FWD = 16384
+MAX_FUSED_BWD = 8192
+_CHUNK = 4096
+# Small rows (q/k-norm over head_dim) are packed several per program, up to this many elements,
+# so that each thread still issues 16-byte loads.
+_TILE = 2048
+# The backward is persistent; more programs per SM than this only grows the dweight partials.
+_MAX_PROGRAMS_PER_SM = 4
+
+
+def _warps_fwd(tile: int) -> int:
+    # ~16 elements per thread: 16-byte loads and a short tree for the row sum.
+    if tile >= 16384:
+        return 32
+    if tile >= 8192:
+        return 16
+    if tile >= 2048:
+        return 8
+    return 4
+
+
+def _warps_bwd(tile: int) -> int:
+    # ~8 elements per thread: the backward holds dy, h, dh, w and the dweight partial at once, and
+    # at 64 registers two 16-warp programs fill an SM.
+    if tile >= 8192:
+        return 32
+    if tile >= 4096:
+        return 16
+    if tile >= 2048:
+        return 8
+    return 4
+
+
+# --------------------------------------------------------------------------------------------------
+# Rounding helpers
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _rne_bf16(x):
+    # fp32 -> nearest-even bf16 value, kept in fp32. The interpreter's own fp32->bf16 cast truncates,
+    # and h feeds the statistics, so it has to be exact there. (A NaN with a small payload may come
+    # out as inf; only the interpreter path uses this.)
+    b = x.to(tl.uint32, bitcast=True)
+    b = b + 0x7FFF + ((b >> 16) & 1)
+    b = (b >> 16) << 16
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr, ROUND_BITS: tl.constexpr):
+    """x (fp32) rounded to dtype DT, returned as fp32."""
+    if DT == tl.float32:
+        out = x
+    elif DT == tl.bfloat16:
+        if ROUND_BITS:
+            out = _rne_bf16(x)
+        else:
+            out = x.to(tl.bfloat16).to(tl.float32)
+    else:
+        out = x.to(DT).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _for_store(x, DT: tl.constexpr, ROUND_BITS: tl.constexpr):
+    """fp32 value ready for tl.store into DT: the store's implicit cast rounds to nearest even on
+    the GPU (and numpy's fp16 cast does too), but truncates bf16 under the interpreter."""
+    if DT == tl.bfloat16:
+        if ROUND_BITS:
+            out = _rne_bf16(x)
+        else:
+            out = x
+    else:
+        out = x
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_kernel(
+    X, R, W, Y, H, RSTD,
+    M, N, stride_x, stride_r, stride_y, stride_h,
+    eps, weight_offset,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, WEIGHT_AFTER_CAST: tl.constexpr,
+    STORE_H: tl.constexpr, ROUND_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # A [BLOCK_M, BLOCK_N] tile of whole rows lives in registers: one read of x (and r), one write
+    # of h and y.
+    IN_DT: tl.constexpr = X.dtype.element_ty
+    OUT_DT: tl.constexpr = Y.dtype.element_ty
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    mask = row_ok[:, None] & col_ok[None, :]
+    roff = rows.to(tl.int64)[:, None]
+    c = cols[None, :]
+
+    x = tl.load(X + roff * stride_x + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + roff * stride_r + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        # The model adds in the input dtype; the statistics see the rounded sum.
+        h = _round(x + r, IN_DT, ROUND_BITS)
+        if STORE_H:
+            tl.store(H + roff * stride_h + c, h, mask=mask)
+    else:
+        h = x
+
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(h * h, axis=1) / N + eps))
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+    n = h * rstd[:, None]
+
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        w = (w + weight_offset)[None, :]
+        if WEIGHT_AFTER_CAST:
+            y = _round(n, IN_DT, ROUND_BITS) * w
+        else:
+            y = n * w
+    else:
+        y = _round(n, IN_DT, ROUND_BITS)
+    tl.store(Y + roff * stride_y + c, _for_store(y, OUT_DT, ROUND_BITS), mask=mask)
+
+
+@triton.jit
+def _fwd_chunked_kernel(
+    X, R, W, Y, H, RSTD,
+    M, N, stride_x, stride_r, stride_y, stride_h,
+    eps, weight_offset,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, WEIGHT_AFTER_CAST: tl.constexpr,
+    STORE_H: tl.constexpr, ROUND_BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Rows too long for registers: pass 1 writes h and sums squares, pass 2 re-reads the row, which
+    # is still in L2 because the grid is persistent (few rows in flight) and pass 2 runs backwards
+    # (the chunk written last is read first).
+    IN_DT: tl.constexpr = X.dtype.element_ty
+    OUT_DT: tl.constexpr = Y.dtype.element_ty
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    num_chunks = tl.cdiv(N, BLOCK_N)
+    for row in range(pid, M, num_progs):
+        roff = tl.cast(row, tl.int64)  # (the interpreter hands loop variables over as Python ints)
+        x_row = X + roff * stride_x
+        r_row = R + roff * stride_r
+        h_row = H + roff * stride_h
+        y_row = Y + roff * stride_y
+
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in range(0, num_chunks):
+            c = k * BLOCK_N + cols
+            m = c < N
+            x = tl.load(x_row + c, mask=m, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(r_row + c, mask=m, other=0.0).to(tl.float32)
+                h = _round(x + r, IN_DT, ROUND_BITS)
+                if STORE_H:
+                    tl.store(h_row + c, h, mask=m)
+            else:
+                h = x
+            acc += h * h
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(acc, axis=0) / N + eps))
+        tl.store(RSTD + row, rstd)
+
+        for k in range(0, num_chunks):
+            c = (num_chunks - 1 - k) * BLOCK_N + cols
+            m = c < N
+            if HAS_RESIDUAL:
+                if STORE_H:
+                    # Same offsets and layout as the store above: each thread re-reads its own writes.
+                    h = tl.load(h_row + c, mask=m, other=0.0).to(tl.float32)
+                else:
+                    x = tl.load(x_row + c, mask=m, other=0.0).to(tl.float32)
+                    r = tl.load(r_row + c, mask=m, other=0.0).to(tl.float32)
+                    h = _round(x + r, IN_DT, ROUND_BITS)
+            else:
+                h = tl.load(x_row + c, mask=m, other=0.0).to(tl.float32)
+            n = h * rstd
+            if HAS_WEIGHT:
+                w = tl.load(W + c, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32) + weight_offset
+                if WEIGHT_AFTER_CAST:
+                    y = _round(n, IN_DT, ROUND_BITS) * w
+                else:
+                    y = n * w
+            else:
+                y = _round(n, IN_DT, ROUND_BITS)
+            tl.store(y_row + c, _for_store(y, OUT_DT, ROUND_BITS), mask=m)
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_kernel(
+    DY, DH, H, RSTD, W, DX, DWP,
+    M, N, stride_dy, stride_dh, stride_h, stride_dx,
+    weight_offset,
+    HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr, WEIGHT_AFTER_CAST: tl.constexpr,
+    NEED_DW: tl.constexpr, ROUND_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Persistent: each program walks row tiles pid, pid + G, ... and keeps its dweight partial in
+    # registers across them, writing it once to DWP[pid, :] (no atomics).
+    IN_DT: tl.constexpr = H.dtype.element_ty
+    DX_DT: tl.constexpr = DX.dtype.element_ty
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    c = cols[None, :]
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = (w + weight_offset)[None, :]
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    num_tiles = tl.cdiv(M, BLOCK_M)
+    for tile in range(pid, num_tiles, num_progs):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        roff = rows.to(tl.int64)[:, None]
+        dy = tl.load(DY + roff * stride_dy + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        h = tl.load(H + roff * stride_h + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
+        n = h * rstd
+        if HAS_WEIGHT:
+            g = dy * w
+        else:
+            g = dy
+        mean_gn = (tl.sum(g * n, axis=1) / N)[:, None]
+        dx = rstd * (g - n * mean_gn)
+        if HAS_DH:
+            dx += tl.load(DH + roff * stride_dh + c, mask=mask, other=0.0,
+                          eviction_policy="evict_first").to(tl.float32)
+        tl.store(DX + roff * stride_dx + c, _for_store(dx, DX_DT, ROUND_BITS), mask=mask)
+        if NEED_DW:
+            if WEIGHT_AFTER_CAST:
+                dw_acc += dy * _round(n, IN_DT, ROUND_BITS)
+            else:
+                dw_acc += dy * n
+    if NEED_DW:
+        tl.store(DWP + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _bwd_chunked_kernel(
+    DY, DH, H, RSTD, W, DX, DWP,
+    M, N, stride_dy, stride_dh, stride_h, stride_dx,
+    weight_offset,
+    HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr, WEIGHT_AFTER_CAST: tl.constexpr,
+    NEED_DW: tl.constexpr, ROUND_BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Long rows: pass 1 sums g*n over the row, pass 2 (backwards, L2-hot) writes dx and adds into
+    # this program's own partial row DWP[pid, :], which no other program touches.
+    IN_DT: tl.constexpr = H.dtype.element_ty
+    DX_DT: tl.constexpr = DX.dtype.element_ty
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    num_chunks = tl.cdiv(N, BLOCK_N)
+    dwp_row = DWP + pid.to(tl.int64) * N
+    if NEED_DW:
+        for k in range(0, num_chunks):
+            c = k * BLOCK_N + cols
+            tl.store(dwp_row + c, tl.zeros([BLOCK_N], dtype=tl.float32), mask=c < N)
+    for row in range(pid, M, num_progs):
+        roff = tl.cast(row, tl.int64)  # (the interpreter hands loop variables over as Python ints)
+        dy_row = DY + roff * stride_dy
+        h_row = H + roff * stride_h
+        rstd = tl.load(RSTD + row)
+
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in range(0, num_chunks):
+            c = k * BLOCK_N + cols
+            m = c < N
+            dy = tl.load(dy_row + c, mask=m, other=0.0).to(tl.float32)
+            h = tl.load(h_row + c, mask=m, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                w = tl.load(W + c, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                acc += dy * (w + weight_offset) * h
+            else:
+                acc += dy * h
+        mean_gn = tl.sum(acc, axis=0) * rstd / N
+
+        for k in range(0, num_chunks):
+            c = (num_chunks - 1 - k) * BLOCK_N + cols
+            m = c < N
+            dy = tl.load(dy_row + c, mask=m, other=0.0).to(tl.float32)
+            h = tl.load(h_row + c, mask=m, other=0.0).to(tl.float32)
+            n = h * rstd
+            if HAS_WEIGHT:
+                w = tl.load(W + c, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                g = dy * (w + weight_offset)
+            else:
+                g = dy
+            dx = rstd * (g - n * mean_gn)
+            if HAS_DH:
+                dx += tl.load(DH + roff * stride_dh + c, mask=m, other=0.0).to(tl.float32)
+            tl.store(DX + roff * stride_dx + c, _for_store(dx, DX_DT, ROUND_BITS), mask=m)
+            if NEED_DW:
+                # Same offsets and layout as the zeroing store: each thread re-reads its own writes.
+                p = tl.load(dwp_row + c, mask=m, other=0.0)
+                if WEIGHT_AFTER_CAST:
+                    p += dy * _round(n, IN_DT, ROUND_BITS)
+                else:
+                    p += dy * n
+                tl.store(dwp_row + c, p, mask=m)
+
+
+@triton.jit
+def _dw_reduce_kernel(P, DW, G, N, ROUND_BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Column sums of the [G, N] fp32 partials, cast to the weight dtype in the same pass.
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        rows = g0 + tl.arange(0, BLOCK_G)
+        mask = (rows < G)[:, None] & col_ok[None, :]
+        acc += tl.load(P + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    dw = tl.sum(acc, axis=0)
+    tl.store(DW + cols, _for_store(dw, DW.dtype.element_ty, ROUND_BITS), mask=col_ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_props(index: int):
+    p = torch.cuda.get_device_properties(index)
+    return (p.multi_processor_count, p.L2_cache_size, p.max_threads_per_multi_processor,
+            p.shared_memory_per_multiprocessor)
+
+
+_occupancy_cache: dict = {}
+
+
+def _occupancy(kernel, args, constexprs: dict, num_warps: int, device: torch.device) -> int:
+    """Programs of `kernel` that fit on one SM at once, from its compiled register and shared memory
+    use (the persistent grid must fit in one wave, or the last wave runs alone)."""
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else id(kernel), device.index, num_warps,
+           tuple(sorted(constexprs.items())),
+           tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    occ = _occupancy_cache.get(key)
+    if occ is not None:
+        return occ
+    _, _, max_threads, smem_per_sm = _cuda_props(device.index)
+    try:
+        compiled = kernel.warmup(*args, grid=(1,), num_warps=num_warps, **constexprs)
+        if hasattr(compiled, "result"):  # asynchronous compilation
+            compiled = compiled.result()
+        compiled._init_handles()
+        regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # allocated per warp, 256 at a time
+        by_regs = 65536 // (regs_per_warp * num_warps)
+        by_threads = max_threads // (32 * num_warps)
+        shared = compiled.metadata.shared
+        by_smem = smem_per_sm // shared if shared else by_threads
+        occ = max(1, min(by_regs, by_threads, by_smem))
+    except Exception:  # a heuristic only: results do not depend on the grid size
+        occ = max(1, 32 // num_warps)
+    _occupancy_cache[key] = occ
+    return occ
+
+
+def _device_guard(device: torch.device):
+    # Triton launches on the current CUDA device, not on the tensors' one.
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _as_2d(t: torch.Tensor, n: int) -> torch.Tensor:
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    t2 = t.reshape(-1, n)
+    if t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _check_weight(weight, n, device):
+    if weight is None:
+        return
+    if weight.dim() != 1 or weight.shape[0] != n:
+        raise ValueError(f"weight must have shape [{n}], got {tuple(weight.shape)}")
+    if weight.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"unsupported weight dtype {weight.dtype}")
+    if weight.device != device:
+        raise ValueError("weight is on a different device")
+
+
+def _row_tile(n: int, m: int) -> tuple[int, int]:
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, min(_TILE // block_n, triton.next_power_of_2(max(m, 1))))
+    return block_m, block_n
+
+
+def _chunk(max_fused: int) -> int:
+    return min(_CHUNK, triton.next_power_of_2(max_fused))
+
+
+def _l2_programs_per_sm(device: torch.device, row_bytes: int) -> int:
+    # Rows in flight in the chunked path must stay in (half of) L2 until their second pass.
+    sms, l2, _, _ = _cuda_props(device.index)
+    return max(1, min(_MAX_PROGRAMS_PER_SM, (l2 // 2) // max(1, sms * row_bytes)))
+
+
+def _persistent_grid(kernel, args, consts: dict, num_warps: int, device: torch.device, work: int,
+                     num_programs: int | None, per_sm_cap: int = _MAX_PROGRAMS_PER_SM) -> int:
+    """Size of a persistent grid over `work` row tiles: as many programs as fit on the GPU in one
+    wave (at most per_sm_cap per SM); a few on CPU, where the interpreter runs them one by one."""
+    if num_programs is not None:
+        return max(1, min(int(num_programs), work))
+    if device.type != "cuda":
+        return max(1, min(work, 4))
+    per_sm = min(per_sm_cap, _occupancy(kernel, args, consts, num_warps, device))
+    return max(1, min(_cuda_props(device.index)[0] * per_sm, work))
+
+
+def rms_norm_fwd(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    *,
+    weight_offset: float = 0.0,
+    weight_after_cast: bool = True,
+    store_h: bool = True,
+    out_dtype: torch.dtype | None = None,
+    max_fused: int | None = None,
+    num_programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """RMSNorm of h = x (+ residual) over the last dim. Returns (y, h, rstd).
+
+    y has x's shape and `out_dtype` (default x.dtype; pass the promoted dtype for a Llama-style norm
+    whose weight dtype differs from the input's). h is x's dtype and shape: x itself when there is no
+    residual, None when `store_h` is False. rstd is fp32 of shape [numel // N].
+    `max_fused` (largest power-of-two row kept in registers) and `num_programs` (grid of the
+    persistent chunked path) are tuning/testing knobs; results do not depend on them.
+    """
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"unsupported dtype {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError("x must have a non-empty last dimension")
+    n = x.shape[-1]
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.device != x.device):
+        raise ValueError("residual must match x in shape, dtype and device")
+    _check_weight(weight, n, x.device)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"unsupported out_dtype {out_dtype}")
+
+    x2 = _as_2d(x, n)
+    m = x2.shape[0]
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    has_res = residual is not None
+    write_h = has_res and store_h
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if write_h else None
+    h_out = h if has_res else x
+    if not store_h:
+        h_out = None
+    if m == 0:
+        return y, h_out, rstd
+
+    with _device_guard(x.device):
+        _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, y, h, rstd, max_fused,
+                    num_programs)
+    return y, h_out, rstd
+
+
+def _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, y, h, rstd, max_fused,
+                num_programs):
+    m, n = x2.shape
+    has_res = residual is not None
+    write_h = h is not None
+    r2 = _as_2d(residual, n) if has_res else x2
+    y2 = y.view(-1, n)
+    h2 = h.view(-1, n) if write_h else x2
+    w = weight if weight is not None else x2  # unused pointer when HAS_WEIGHT is False
+    args = (x2, r2, w, y2, h2, rstd, m, n, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
+            float(eps), float(weight_offset))
+    flags = dict(HAS_RESIDUAL=has_res, HAS_WEIGHT=weight is not None,
+                 WEIGHT_AFTER_CAST=bool(weight_after_cast), STORE_H=write_h,
+                 ROUND_BITS=x.device.type != "cuda")
+    max_fused = MAX_FUSED_FWD if max_fused is None else max_fused
+    if triton.next_power_of_2(n) <= max_fused:
+        block_m, block_n = _row_tile(n, m)
+        _fwd_kernel[(triton.cdiv(m, block_m),)](
+            *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_warps_fwd(block_m * block_n))
+    else:
+        block_n = _chunk(max_fused)
+        consts = dict(flags, BLOCK_N=block_n)
+        warps = _warps_fwd(block_n)
+        cap = _l2_programs_per_sm(x.device, n * x.element_size()) if x.device.type == "cuda" else 1
+        grid = _persistent_grid(_fwd_chunked_kernel, args, consts, warps, x.device, m, num_programs, cap)
+        _fwd_chunked_kernel[(grid,)](*args, **consts, num_warps=warps)
+
+
+def rms_norm_bwd(
+    dy: torch.Tensor,
+    dh: torch.Tensor | None,
+    h: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    *,
+    weight_offset: float = 0.0,
+    weight_after_cast: bool = True,
+    need_dweight: bool = True,
+    max_fused: int | None = None,
+    num_programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of `rms_norm_fwd`. Returns (dx, dweight).
+
+    dx (h's dtype and shape) is the gradient of both x and residual, dh included when given.
+    dweight is in weight's dtype, or None without weight or when `need_dweight` is False.
+    `max_fused` and `num_programs` (persistent grid size) are tuning/testing knobs.
+    """
+    if h.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"unsupported dtype {h.dtype}")
+    n = h.shape[-1]
+    if dy.shape != h.shape or dy.dtype not in _FLOAT_DTYPES or dy.device != h.device:
+        raise ValueError("dy must match h in shape and device")
+    if dh is not None and (dh.shape != h.shape or dh.dtype not in _FLOAT_DTYPES or dh.device != h.device):
+        raise ValueError("dh must match h in shape and device")
+    _check_weight(weight, n, h.device)
+    h2 = _as_2d(h, n)
+    m = h2.shape[0]
+    if rstd.dtype != torch.float32 or rstd.numel() != m:
+        raise ValueError(f"rstd must be fp32 with {m} elements")
+    rstd = rstd.reshape(m).contiguous()
+
+    need_dw = bool(need_dweight) and weight is not None
+    dx = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    if m == 0:
+        dw = torch.zeros_like(weight) if need_dw else None
+        return dx, dw
+
+    with _device_guard(h.device):
+        dw = _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, need_dw, dx, max_fused,
+                         num_programs)
+    return dx, dw
+
+
+def _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, need_dw, dx, max_fused,
+                num_programs):
+    m, n = h2.shape
+    dy2 = _as_2d(dy, n)
+    dh2 = _as_2d(dh, n) if dh is not None else dy2
+    dx2 = dx.view(-1, n)
+    w = weight if weight is not None else h2
+    flags = dict(HAS_DH=dh is not None, HAS_WEIGHT=weight is not None,
+                 WEIGHT_AFTER_CAST=bool(weight_after_cast), NEED_DW=need_dw,
+                 ROUND_BITS=h.device.type != "cuda")
+    dummy = torch.empty((1,), dtype=torch.float32, device=h.device)
+
+    def args(dwp):
+        return (dy2, dh2, h2, rstd, w, dx2, dwp, m, n, dy2.stride(0), dh2.stride(0), h2.stride(0),
+                dx2.stride(0), float(weight_offset))
+
+    max_fused = MAX_FUSED_BWD if max_fused is None else max_fused
+    if triton.next_power_of_2(n) <= max_fused:
+        block_m, block_n = _row_tile(n, m)
+        warps = _warps_bwd(block_m * block_n)
+        consts = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n)
+        grid = _persistent_grid(_bwd_kernel, args(dummy), consts, warps, h.device, triton.cdiv(m, block_m),
+                                num_programs)
+        dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else dummy
+        _bwd_kernel[(grid,)](*args(dwp), **consts, num_warps=warps)
+    else:
+        block_n = _chunk(max_fused)
+        consts = dict(flags, BLOCK_N=block_n)
+        warps = _warps_bwd(block_n)
+        row_bytes = n * (dy.element_size() + h.element_size() + 4 + (dh.element_size() if dh is not None else 0))
+        cap = _l2_programs_per_sm(h.device, row_bytes) if h.device.type == "cuda" else 1
+        grid = _persistent_grid(_bwd_chunked_kernel, args(dummy), consts, warps, h.device, m, num_programs, cap)
+        dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else dummy
+        _bwd_chunked_kernel[(grid,)](*args(dwp), **consts, num_warps=warps)
+
+    if not need_dw:
+        return None
+    dw = torch.empty((n,), dtype=weight.dtype, device=h.device)
+    block_g = min(64, triton.next_power_of_2(grid))
+    block_nr = 32
+    _dw_reduce_kernel[(triton.cdiv(n, block_nr),)](
+        dwp, dw, grid, n, ROUND_BITS=h.device.type != "cuda", BLOCK_G=block_g, BLOCK_N=block_nr, num_warps=4)
+    return dw
