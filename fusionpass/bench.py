@@ -4,7 +4,11 @@ Used by `fusionpass bench` and by the scripts in benchmarks/.
 """
 from __future__ import annotations
 
+import datetime
+import os
+import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -72,8 +76,25 @@ def kernel_time(fn: Callable[[], object], iters: int = 10) -> float:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
+    # Only the kernels themselves: an op's entry also carries the device time of the kernels it
+    # launched, so summing every entry would count each kernel twice.
     total_us = sum(
-        getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
-        for e in prof.key_averages()
+        e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
     )
     return total_us / 1e3 / iters
+
+
+def environment() -> dict:
+    """What a committed result table must say about where it was measured."""
+    import triton
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "command": " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+    }
