@@ -131,6 +131,8 @@ def bench_rms_norm_residual(rows: int, width: int, dtype=torch.bfloat16) -> list
         xs_ = [t.detach().clone().requires_grad_() for t in (x, r, w)]
 
         def step():
+            for t in xs_:
+                t.grad = None  # assign, not accumulate: no extra add kernels in the step
             y_, h_ = f(*xs_)
             torch.autograd.backward([y_, h_], [gy, gh])
 

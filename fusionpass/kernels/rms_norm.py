@@ -365,39 +365,28 @@ def _cuda_props(index: int):
             p.shared_memory_per_multiprocessor)
 
 
-_occupancy_cache: dict = {}
+def _programs_per_sm(num_warps: int) -> int:
+    # Every variant compiles to <= 102 registers per thread for sm_90 (see MAX_FUSED_*), so the
+    # thread count bounds residency: 2048 threads per SM = 64 warps.
+    return max(1, 64 // num_warps)
 
 
-def _occupancy(kernel, args, constexprs: dict, num_warps: int, device: torch.device) -> int:
-    """Programs of `kernel` that fit on one SM at once, from its compiled register and shared memory
-    use (the persistent grid must fit in one wave, or the last wave runs alone)."""
-    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else id(kernel), device.index, num_warps,
-           tuple(sorted(constexprs.items())),
-           tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
-    occ = _occupancy_cache.get(key)
-    if occ is not None:
-        return occ
-    _, _, max_threads, smem_per_sm = _cuda_props(device.index)
-    try:
-        compiled = kernel.warmup(*args, grid=(1,), num_warps=num_warps, **constexprs)
-        if hasattr(compiled, "result"):  # asynchronous compilation
-            compiled = compiled.result()
-        compiled._init_handles()
-        regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # allocated per warp, 256 at a time
-        by_regs = 65536 // (regs_per_warp * num_warps)
-        by_threads = max_threads // (32 * num_warps)
-        shared = compiled.metadata.shared
-        by_smem = smem_per_sm // shared if shared else by_threads
-        occ = max(1, min(by_regs, by_threads, by_smem))
-    except Exception:  # a heuristic only: results do not depend on the grid size
-        occ = max(1, 32 // num_warps)
-    _occupancy_cache[key] = occ
-    return occ
+def _launcher(kernel, t: torch.Tensor):
+    """The kernel as a CUDA launch that torch.compile can trace into (`wrap_triton`: Inductor then
+    launches it from its generated code, without custom-op dispatch), or as is on CPU tensors, where
+    it runs under the Triton interpreter."""
+    if t.device.type == "cuda":
+        from torch.library import wrap_triton
+
+        return wrap_triton(kernel)
+    return kernel
 
 
 def _device_guard(device: torch.device):
     # Triton launches on the current CUDA device, not on the tensors' one.
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _as_2d(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -420,10 +409,11 @@ def _check_weight(weight, n, device):
         raise ValueError("weight is on a different device")
 
 
-def _row_tile(n: int, m: int) -> tuple[int, int]:
+def _row_tile(n: int) -> tuple[int, int]:
+    # Depends on the row width only: under torch.compile the row count may be symbolic, and
+    # branching on it would specialize the graph.
     block_n = triton.next_power_of_2(n)
-    block_m = max(1, min(_TILE // block_n, triton.next_power_of_2(max(m, 1))))
-    return block_m, block_n
+    return max(1, _TILE // block_n), block_n
 
 
 def _chunk(max_fused: int) -> int:
@@ -432,20 +422,23 @@ def _chunk(max_fused: int) -> int:
 
 def _l2_programs_per_sm(device: torch.device, row_bytes: int) -> int:
     # Rows in flight in the chunked path must stay in (half of) L2 until their second pass.
-    sms, l2, _, _ = _cuda_props(device.index)
+    sms, l2, _, _ = _cuda_props(device.index or 0)
     return max(1, min(_MAX_PROGRAMS_PER_SM, (l2 // 2) // max(1, sms * row_bytes)))
 
 
-def _persistent_grid(kernel, args, consts: dict, num_warps: int, device: torch.device, work: int,
-                     num_programs: int | None, per_sm_cap: int = _MAX_PROGRAMS_PER_SM) -> int:
+def _persistent_grid(num_warps: int, device: torch.device, work, num_programs: int | None,
+                     per_sm_cap: int = _MAX_PROGRAMS_PER_SM) -> int:
     """Size of a persistent grid over `work` row tiles: as many programs as fit on the GPU in one
-    wave (at most per_sm_cap per SM); a few on CPU, where the interpreter runs them one by one."""
+    wave (at most per_sm_cap per SM); a few on CPU, where the interpreter runs them one by one.
+    A symbolic `work` (torch.compile with dynamic shapes) gets the full wave: idle programs only
+    write zero dweight partials."""
     if num_programs is not None:
-        return max(1, min(int(num_programs), work))
-    if device.type != "cuda":
-        return max(1, min(work, 4))
-    per_sm = min(per_sm_cap, _occupancy(kernel, args, consts, num_warps, device))
-    return max(1, min(_cuda_props(device.index)[0] * per_sm, work))
+        cap = int(num_programs)
+    elif device.type != "cuda":
+        cap = 4
+    else:
+        cap = _cuda_props(device.index or 0)[0] * min(per_sm_cap, _programs_per_sm(num_warps))
+    return max(1, min(cap, work)) if isinstance(work, int) else cap
 
 
 def rms_norm_fwd(
@@ -492,7 +485,7 @@ def rms_norm_fwd(
     h_out = h if has_res else x
     if not store_h:
         h_out = None
-    if m == 0:
+    if isinstance(m, int) and m == 0:
         return y, h_out, rstd
 
     with _device_guard(x.device):
@@ -517,16 +510,16 @@ def _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, 
                  ROUND_BITS=x.device.type != "cuda")
     max_fused = MAX_FUSED_FWD if max_fused is None else max_fused
     if triton.next_power_of_2(n) <= max_fused:
-        block_m, block_n = _row_tile(n, m)
-        _fwd_kernel[(triton.cdiv(m, block_m),)](
+        block_m, block_n = _row_tile(n)
+        _launcher(_fwd_kernel, x2)[(triton.cdiv(m, block_m),)](
             *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_warps_fwd(block_m * block_n))
     else:
         block_n = _chunk(max_fused)
         consts = dict(flags, BLOCK_N=block_n)
         warps = _warps_fwd(block_n)
         cap = _l2_programs_per_sm(x.device, n * x.element_size()) if x.device.type == "cuda" else 1
-        grid = _persistent_grid(_fwd_chunked_kernel, args, consts, warps, x.device, m, num_programs, cap)
-        _fwd_chunked_kernel[(grid,)](*args, **consts, num_warps=warps)
+        grid = _persistent_grid(warps, x.device, m, num_programs, cap)
+        _launcher(_fwd_chunked_kernel, x2)[(grid,)](*args, **consts, num_warps=warps)
 
 
 def rms_norm_bwd(
@@ -564,7 +557,7 @@ def rms_norm_bwd(
 
     need_dw = bool(need_dweight) and weight is not None
     dx = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    if m == 0:
+    if isinstance(m, int) and m == 0:
         dw = torch.zeros_like(weight) if need_dw else None
         return dx, dw
 
@@ -592,28 +585,27 @@ def _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, n
 
     max_fused = MAX_FUSED_BWD if max_fused is None else max_fused
     if triton.next_power_of_2(n) <= max_fused:
-        block_m, block_n = _row_tile(n, m)
+        block_m, block_n = _row_tile(n)
         warps = _warps_bwd(block_m * block_n)
         consts = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n)
-        grid = _persistent_grid(_bwd_kernel, args(dummy), consts, warps, h.device, triton.cdiv(m, block_m),
-                                num_programs)
+        grid = _persistent_grid(warps, h.device, triton.cdiv(m, block_m), num_programs)
         dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else dummy
-        _bwd_kernel[(grid,)](*args(dwp), **consts, num_warps=warps)
+        _launcher(_bwd_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
     else:
         block_n = _chunk(max_fused)
         consts = dict(flags, BLOCK_N=block_n)
         warps = _warps_bwd(block_n)
         row_bytes = n * (dy.element_size() + h.element_size() + 4 + (dh.element_size() if dh is not None else 0))
         cap = _l2_programs_per_sm(h.device, row_bytes) if h.device.type == "cuda" else 1
-        grid = _persistent_grid(_bwd_chunked_kernel, args(dummy), consts, warps, h.device, m, num_programs, cap)
+        grid = _persistent_grid(warps, h.device, m, num_programs, cap)
         dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else dummy
-        _bwd_chunked_kernel[(grid,)](*args(dwp), **consts, num_warps=warps)
+        _launcher(_bwd_chunked_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
 
     if not need_dw:
         return None
     dw = torch.empty((n,), dtype=weight.dtype, device=h.device)
     block_g = min(64, triton.next_power_of_2(grid))
     block_nr = 32
-    _dw_reduce_kernel[(triton.cdiv(n, block_nr),)](
+    _launcher(_dw_reduce_kernel, h2)[(triton.cdiv(n, block_nr),)](
         dwp, dw, grid, n, ROUND_BITS=h.device.type != "cuda", BLOCK_G=block_g, BLOCK_N=block_nr, num_warps=4)
     return dw
