@@ -12,7 +12,7 @@ import functools
 import torch
 
 from fusionpass import config as config_mod
-from fusionpass.passes import STATISTICS, chained
+from fusionpass.passes import chained
 
 
 class FusionpassBackend:
@@ -33,12 +33,8 @@ class FusionpassBackend:
 
         existing = options.pop("pre_grad_custom_pass", inductor_config.pre_grad_custom_pass)
         inductor = torch._TorchCompileInductorWrapper(mode, options, self.dynamic)
-        records: list = []
-        inductor.config["pre_grad_custom_pass"] = chained(self.config, existing, sink=records)
-        compiled = inductor(gm, example_inputs)
-        for record in records:
-            STATISTICS.add(record)
-        return compiled
+        inductor.config["pre_grad_custom_pass"] = chained(self.config, existing)
+        return inductor(gm, example_inputs)
 
     def __eq__(self, other):
         return (

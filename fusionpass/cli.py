@@ -20,7 +20,8 @@ def _model_and_inputs(args):
     from fusionpass.demo import build
 
     device = _device(args.device)
-    model = build(args.model, layers=args.layers).to(device=device, dtype=_dtype(args.dtype))
+    model = build(args.model, layers=args.layers, width=args.width)
+    model = model.to(device=device, dtype=_dtype(args.dtype))
     model.train(args.train)
     vocab = model.config.vocab_size if hasattr(model, "config") else model.lm_head.out_features
     ids = torch.randint(0, vocab, (args.batch, args.seq), device=device)
@@ -118,6 +119,7 @@ def main(argv=None) -> int:
         p.add_argument("--model", default="demo", help="demo (built in) or an HF family: "
                        "llama, mistral, qwen2, qwen3, gemma, gemma2, phi3")
         p.add_argument("--layers", type=int, default=2)
+        p.add_argument("--width", type=int, default=2048, help="hidden size")
         p.add_argument("--train", action="store_true", help="trace a training step")
         p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
         p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")

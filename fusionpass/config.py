@@ -32,10 +32,12 @@ class Config:
     # miss "device cpu"). When on, the fused ops run their Triton kernels under the interpreter if
     # TRITON_INTERPRET=1 (the tests), else a torch reference (`fusionpass explain` without a GPU).
     cpu: bool = False
-    # rms_norm_residual cost rule: rows shorter than this stay with Inductor (many tiny rows,
-    # e.g. per-head QK-norm, are launch- and occupancy-bound in a row-per-program kernel).
-    rms_norm_min_width: int = 512
-    rms_norm_max_width: int = 65536
+    # rms_norm_residual cost rule: the row widths where the kernel measured at least as fast as
+    # Inductor on the H200 (benchmarks/results/2026-11-30-h200-rms_norm_residual.md: 1.01x at
+    # 2048, 1.06x at 4096). Narrower rows (per-head QK-norm, widths <= 1024) and wider ones
+    # (8192 and up) measured 2-15% slower there, so they stay with Inductor.
+    rms_norm_min_width: int = 2048
+    rms_norm_max_width: int = 4096
 
     def __post_init__(self):
         unknown = set(self.fusions) - set(FUSION_NAMES)
@@ -60,7 +62,7 @@ def _split(value: str) -> list[str]:
 
 def from_env(base: Config | None = None, environ=os.environ) -> Config:
     """Apply FUSIONPASS_FUSIONS (comma list, replaces the set), FUSIONPASS_DISABLE (comma list,
-    removed from it), FUSIONPASS_CPU (1/0) and FUSIONPASS_RMS_NORM_MIN_WIDTH over `base`."""
+    removed from it), FUSIONPASS_CPU (1/0) and FUSIONPASS_RMS_NORM_MIN/MAX_WIDTH over `base`."""
     cfg = base or Config()
     if "FUSIONPASS_FUSIONS" in environ:
         cfg = cfg.replace(fusions=frozenset(_split(environ["FUSIONPASS_FUSIONS"])))
@@ -70,6 +72,8 @@ def from_env(base: Config | None = None, environ=os.environ) -> Config:
         cfg = cfg.replace(cpu=environ["FUSIONPASS_CPU"].lower() in ("1", "true", "on", "yes"))
     if "FUSIONPASS_RMS_NORM_MIN_WIDTH" in environ:
         cfg = cfg.replace(rms_norm_min_width=int(environ["FUSIONPASS_RMS_NORM_MIN_WIDTH"]))
+    if "FUSIONPASS_RMS_NORM_MAX_WIDTH" in environ:
+        cfg = cfg.replace(rms_norm_max_width=int(environ["FUSIONPASS_RMS_NORM_MAX_WIDTH"]))
     return cfg
 
 

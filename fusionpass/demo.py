@@ -116,8 +116,7 @@ class DemoLlama(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # tiny Hugging Face models, built from configs (random weights, nothing downloaded)
 
-# name -> (config class, overrides). Every family gets width 512 (the norm width guard's lower
-# bound) and a head_dim of 64.
+# name -> (config class, overrides). Every family gets the given width and a head_dim of 64.
 HF_FAMILIES = {
     "llama": ("LlamaConfig", {}),
     "mistral": ("MistralConfig", {}),
@@ -129,8 +128,8 @@ HF_FAMILIES = {
 }
 
 
-def tiny_hf(name: str, layers: int = 2, attn: str = "sdpa", **overrides):
-    """A tiny causal LM of an installed transformers model family."""
+def tiny_hf(name: str, layers: int = 2, attn: str = "sdpa", width: int = 512, **overrides):
+    """A tiny causal LM of an installed transformers model family (`width`: hidden size)."""
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -140,13 +139,14 @@ def tiny_hf(name: str, layers: int = 2, attn: str = "sdpa", **overrides):
     config_name, family = HF_FAMILIES[name]
     kwargs = dict(
         vocab_size=256,
-        hidden_size=512,
+        hidden_size=width,
         intermediate_size=1024,
         num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+        num_attention_heads=width // 64,
+        num_key_value_heads=width // 128,
         head_dim=64,
         max_position_embeddings=512,
+        pad_token_id=0,  # some families default to an id beyond the tiny vocabulary
     )
     kwargs.update(family)
     kwargs.update(overrides)
@@ -155,7 +155,9 @@ def tiny_hf(name: str, layers: int = 2, attn: str = "sdpa", **overrides):
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def build(name: str = "demo", layers: int = 2, **overrides):
+def build(name: str = "demo", layers: int = 2, width: int = 2048, **overrides):
+    """The CLI's models. The default width 2048 lies inside rms_norm_residual's cost rule (see
+    fusionpass.config), so the report shows what a real model of that width gets."""
     if name == "demo":
-        return DemoLlama(layers=layers, **overrides)
-    return tiny_hf(name, layers=layers, **overrides)
+        return DemoLlama(layers=layers, width=width, heads=width // 64, kv_heads=width // 128, **overrides)
+    return tiny_hf(name, layers=layers, width=width, **overrides)

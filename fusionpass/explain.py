@@ -103,7 +103,7 @@ def fresh_compile_caches():
 def explain(model, *args, fusions=None, train: bool | None = None, **kwargs) -> Report:
     """Compile `model` with the fusionpass backend, run it once on the inputs, and report.
 
-    Resets Dynamo's caches first (so every graph is compiled afresh). `train` (default:
+    Resets Dynamo's caches and fusionpass.stats() first (so every graph is compiled afresh). `train` (default:
     `model.training`) runs the forward with grad enabled, as a training step would trace it.
     CPU models are matched as if their tensors were on CUDA (see Report).
     """
@@ -113,12 +113,12 @@ def explain(model, *args, fusions=None, train: bool | None = None, **kwargs) -> 
     cfg = config_mod.make(fusions, cpu=True) if device == "cpu" else config_mod.make(fusions)
     train = getattr(model, "training", False) if train is None else train
     torch._dynamo.reset()
-    before = len(STATISTICS.records)
+    STATISTICS.reset()
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
     compiled = torch.compile(model, backend=FusionpassBackend(cfg))
     with fresh_compile_caches(), torch.set_grad_enabled(train):
         compiled(*args, **kwargs)
-    records = STATISTICS.records[before:]
+    records = STATISTICS.records
     variants: Counter = Counter()
     misses = []
     for r in records:

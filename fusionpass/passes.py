@@ -59,7 +59,12 @@ def source_digest() -> str:
 
 
 class _Statistics:
-    """Match counts per fusion and per variant, and near misses, since the last reset."""
+    """Match counts per fusion and per variant, and near misses, since the last reset.
+
+    Dynamo may abandon a compile and trace the frame again (e.g. with dynamic=True, once it has to
+    specialize a float that our op takes): a record replaces the one of an earlier attempt at the
+    same compile, so an abandoned graph never counts.
+    """
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -67,15 +72,29 @@ class _Statistics:
 
     def reset(self) -> None:
         with self._lock:
-            self.variants: Counter = Counter()
-            self.near_misses: list[tuple[str, str, str]] = []
-            self.records: list[registry.Record] = []
+            self._records: dict = {}
 
     def add(self, record: registry.Record) -> None:
+        key = record.compile_id if record.compile_id is not None else object()
         with self._lock:
-            self.variants.update(record.matches)
-            self.near_misses.extend(record.near_misses)
-            self.records.append(record)
+            self._records.pop(key, None)
+            self._records[key] = record
+
+    @property
+    def records(self) -> list[registry.Record]:
+        with self._lock:
+            return list(self._records.values())
+
+    @property
+    def variants(self) -> Counter:
+        out: Counter = Counter()
+        for r in self.records:
+            out.update(r.matches)
+        return out
+
+    @property
+    def near_misses(self) -> list[tuple[str, str, str]]:
+        return [m for r in self.records for m in r.near_misses]
 
     def per_fusion(self) -> dict[str, int]:
         out: Counter = Counter()
@@ -90,18 +109,17 @@ STATISTICS = _Statistics()
 class PreGradFusionPass(CustomGraphPass):
     """`pre_grad_custom_pass`: runs every enabled fusion over the Dynamo graph."""
 
-    def __init__(self, config: Config, inner=None, sink: list | None = None):
+    def __init__(self, config: Config, inner=None):
         self.config = config
         self.inner = inner  # a pass the user had installed on this hook before us
-        # Where records go: STATISTICS at once, or a list the backend commits only when the
-        # compile succeeds (Dynamo may abandon a compile and re-trace, e.g. with dynamic=True when
-        # it specializes a float our op takes; the abandoned graph must not count).
-        self.sink = sink
 
     def __call__(self, graph: fx.Graph) -> None:
         import fusionpass.ops  # noqa: F401  (the custom ops the replacements call)
 
-        record = registry.Record()
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+        record = registry.Record(compile_id=None if compile_id is None else str(compile_id))
         changed = 0
         for name, fusion in registry.registered().items():
             if name in self.config.fusions:
@@ -111,10 +129,7 @@ class PreGradFusionPass(CustomGraphPass):
 
             stable_topological_sort(graph)
             graph.lint()
-        if self.sink is None:
-            STATISTICS.add(record)
-        else:
-            self.sink.append(record)
+        STATISTICS.add(record)
         if self.inner is not None:
             self.inner(graph)
 
@@ -137,13 +152,13 @@ class PreGradFusionPass(CustomGraphPass):
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def chained(config: Config, existing, sink: list | None = None) -> PreGradFusionPass:
+def chained(config: Config, existing) -> PreGradFusionPass:
     """Our pass in front of whatever is on the hook already (never ourselves twice)."""
     if isinstance(existing, PreGradFusionPass):
         existing = existing.inner
     if isinstance(existing, (list, tuple)):
         existing = _Sequence(tuple(existing)) if existing else None
-    return PreGradFusionPass(config, existing, sink)
+    return PreGradFusionPass(config, existing)
 
 
 class _Sequence(CustomGraphPass):

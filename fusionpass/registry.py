@@ -69,6 +69,7 @@ class Fusion:
 class Record:
     """What one pass over one graph found."""
 
+    compile_id: str | None = None  # Dynamo's compile id (frame and recompile, not the attempt)
     matches: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     near_misses: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
 

@@ -6,6 +6,9 @@ is imported; the tests then run every Triton kernel on CPU tensors.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tests build narrow models (width 512) to stay fast on two cores; rms_norm_residual's GPU
+# cost rule starts at width 2048, so lower it here (test_width_cost_rule checks the default).
+os.environ.setdefault("FUSIONPASS_RMS_NORM_MIN_WIDTH", "512")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

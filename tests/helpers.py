@@ -75,12 +75,15 @@ def flatten(out) -> tuple[torch.Tensor, ...]:
 
 
 def prepare_inputs(inputs, train: bool, input_grad: bool = True) -> tuple:
-    """Fresh leaf copies; in training, floating-point inputs require grad (unless `input_grad`
-    is False)."""
+    """Fresh leaf copies (keeping `mark_dynamic` marks); in training, floating-point inputs require
+    grad (unless `input_grad` is False)."""
     out = []
     for x in inputs:
         if isinstance(x, torch.Tensor):
+            dims = getattr(x, "_dynamo_dynamic_indices", ())
             x = x.detach().clone()
+            for d in sorted(dims):  # keep torch._dynamo.mark_dynamic on the copy
+                torch._dynamo.mark_dynamic(x, d)
             if train and input_grad and x.is_floating_point():
                 x.requires_grad_(True)
         out.append(x)
@@ -191,15 +194,18 @@ def assert_outcomes_close(actual: Outcome, expected: Outcome, dtype=torch.float3
 def fused_graph(module, *inputs, **config):
     """(GraphModule, outputs, Record): the Dynamo graph of `module` after our pre-grad pass, what
     it computes when run eagerly (our custom ops, nothing of Inductor's), and the pass's record."""
-    cfg = config_mod.Config(cpu=True).replace(**config)
-    graphs, records = [], []
+    cfg = config_mod.make(**{"cpu": True, **config})
+    graphs = []
 
     def capture(gm, example_inputs):
-        PreGradFusionPass(cfg, sink=records)(gm.graph)
+        STATISTICS.reset()
+        PreGradFusionPass(cfg)(gm.graph)
+        records.append(STATISTICS.records[-1])
         gm.recompile()
         graphs.append(gm)
         return gm.forward
 
+    records = []
     torch._dynamo.reset()
     try:
         out = torch.compile(module, backend=capture, fullgraph=True)(*inputs)

@@ -21,28 +21,39 @@ import triton.language as tl
 
 __all__ = ["rms_norm_fwd", "rms_norm_bwd"]
 
-# Rows whose next power of two is at most this stay in registers, one row (or a tile of rows) per
-# program; longer rows loop over chunks of _CHUNK columns. With the warps below, ptxas for sm_90
-# gives every variant <= 102 registers per thread and no spills; a 16384 backward row would spill.
-MAX_FUSED_FWD = 16384
+# Forward rows up to this width can be held in registers (see _fwd_chunk).
+MAX_ONE_PASS_FWD = 16384
+# Backward rows whose next power of two is at most this stay in registers, one row (or a tile of
+# rows) per program; longer rows loop over chunks of _CHUNK columns. With the warps below, ptxas for
+# sm_90 gives every variant <= 102 registers per thread and no spills; a 16384 backward row would.
 MAX_FUSED_BWD = 8192
 _CHUNK = 4096
-# Small rows (q/k-norm over head_dim) are packed several per program, up to this many elements,
-# so that each thread still issues 16-byte loads.
+# Forward tiles, and backward tiles of small rows (q/k-norm over head_dim): this many elements, a
+# tile of several short rows or a chunk of a long one.
 _TILE = 2048
 # The backward is persistent; more programs per SM than this only grows the dweight partials.
 _MAX_PROGRAMS_PER_SM = 4
 
 
-def _warps_fwd(tile: int) -> int:
-    # ~16 elements per thread: 16-byte loads and a short tree for the row sum.
+def _warps_fwd(tile: int, one_pass: bool) -> int:
+    # Two passes over 2048-element chunks: 16 warps measured fastest at 16384x4096 bf16 (H200:
+    # 0.127 ms with 16, 0.131 with 8, 0.139 with 4). One pass: ~8-16 elements per thread.
+    if not one_pass:
+        return 16
     if tile >= 16384:
         return 32
     if tile >= 8192:
         return 16
-    if tile >= 2048:
-        return 8
-    return 4
+    return 8 if tile >= 2048 else 4
+
+
+def _fwd_chunk(n: int) -> int:
+    """Columns per chunk: the whole row (one pass in registers) except where two passes over
+    2048-column chunks measured faster on the H200 (rows of 2049..4096) or rows exceed registers."""
+    width = triton.next_power_of_2(n)
+    if width <= _TILE or (2 * _TILE < width <= MAX_ONE_PASS_FWD):
+        return width
+    return _TILE
 
 
 def _warps_bwd(tile: int) -> int:
@@ -110,38 +121,72 @@ def _fwd_kernel(
     eps, weight_offset,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, WEIGHT_AFTER_CAST: tl.constexpr,
     STORE_H: tl.constexpr, ROUND_BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
-    # A [BLOCK_M, BLOCK_N] tile of whole rows lives in registers: one read of x (and r), one write
-    # of h and y.
+    # torch.compile passes Python floats as fp64 scalars; the math is fp32.
+    eps = tl.cast(eps, tl.float32)
+    weight_offset = tl.cast(weight_offset, tl.float32)
+    # [BLOCK_M, BLOCK_N] tiles. A row that fits one chunk (ONE_PASS) stays in registers: one read,
+    # one write. Longer rows take two passes: pass 1 sums squares with its loads marked evict_last,
+    # pass 2 re-reads the row from L2 and writes h and y. On the H200 (bf16, 16384 rows) two passes
+    # streamed 4.2 TB/s at width 4096 where whole rows in registers gave 3.9 TB/s, but one pass
+    # won at width 2048 and below.
     IN_DT: tl.constexpr = X.dtype.element_ty
     OUT_DT: tl.constexpr = Y.dtype.element_ty
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
-    col_ok = cols < N
-    mask = row_ok[:, None] & col_ok[None, :]
     roff = rows.to(tl.int64)[:, None]
-    c = cols[None, :]
 
-    x = tl.load(X + roff * stride_x + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(R + roff * stride_r + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        # The model adds in the input dtype; the statistics see the rounded sum.
-        h = _round(x + r, IN_DT, ROUND_BITS)
-        if STORE_H:
+    if ONE_PASS:
+        c = cols[None, :]
+        mask = row_ok[:, None] & (c < N)
+        h = _load_h(X, R, roff, c, mask, stride_x, stride_r, HAS_RESIDUAL, IN_DT, ROUND_BITS, "evict_first")
+        if HAS_RESIDUAL and STORE_H:
             tl.store(H + roff * stride_h + c, h, mask=mask)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(h * h, axis=1) / N + eps))
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        _fwd_store_y(h, rstd, W, Y, roff, c, mask, N, stride_y, weight_offset,
+                     HAS_WEIGHT, WEIGHT_AFTER_CAST, IN_DT, OUT_DT, ROUND_BITS)
     else:
-        h = x
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for c0 in range(0, N, BLOCK_N):
+            c = c0 + cols[None, :]
+            mask = row_ok[:, None] & (c < N)
+            h = _load_h(X, R, roff, c, mask, stride_x, stride_r, HAS_RESIDUAL, IN_DT, ROUND_BITS, "evict_last")
+            acc += h * h
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(acc, axis=1) / N + eps))
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        for c0 in range(0, N, BLOCK_N):
+            c = c0 + cols[None, :]
+            mask = row_ok[:, None] & (c < N)
+            h = _load_h(X, R, roff, c, mask, stride_x, stride_r, HAS_RESIDUAL, IN_DT, ROUND_BITS, "evict_first")
+            if HAS_RESIDUAL and STORE_H:
+                tl.store(H + roff * stride_h + c, h, mask=mask)
+            _fwd_store_y(h, rstd, W, Y, roff, c, mask, N, stride_y, weight_offset,
+                         HAS_WEIGHT, WEIGHT_AFTER_CAST, IN_DT, OUT_DT, ROUND_BITS)
 
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(h * h, axis=1) / N + eps))
-    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+@triton.jit
+def _load_h(X, R, roff, c, mask, stride_x, stride_r, HAS_RESIDUAL: tl.constexpr, IN_DT: tl.constexpr,
+            ROUND_BITS: tl.constexpr, EVICT: tl.constexpr):
+    """h = x (+ r) in fp32. The model adds in the input dtype, so the statistics see the rounded sum."""
+    h = tl.load(X + roff * stride_x + c, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + roff * stride_r + c, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        h = _round(h + r, IN_DT, ROUND_BITS)
+    return h
+
+
+@triton.jit
+def _fwd_store_y(h, rstd, W, Y, roff, c, mask, N, stride_y, weight_offset,
+                 HAS_WEIGHT: tl.constexpr, WEIGHT_AFTER_CAST: tl.constexpr, IN_DT: tl.constexpr,
+                 OUT_DT: tl.constexpr, ROUND_BITS: tl.constexpr):
     n = h * rstd[:, None]
-
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        w = (w + weight_offset)[None, :]
+        w = tl.load(W + c, mask=c < N, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        w = w + weight_offset
         if WEIGHT_AFTER_CAST:
             y = _round(n, IN_DT, ROUND_BITS) * w
         else:
@@ -149,72 +194,6 @@ def _fwd_kernel(
     else:
         y = _round(n, IN_DT, ROUND_BITS)
     tl.store(Y + roff * stride_y + c, _for_store(y, OUT_DT, ROUND_BITS), mask=mask)
-
-
-@triton.jit
-def _fwd_chunked_kernel(
-    X, R, W, Y, H, RSTD,
-    M, N, stride_x, stride_r, stride_y, stride_h,
-    eps, weight_offset,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, WEIGHT_AFTER_CAST: tl.constexpr,
-    STORE_H: tl.constexpr, ROUND_BITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    # Rows too long for registers: pass 1 writes h and sums squares, pass 2 re-reads the row, which
-    # is still in L2 because the grid is persistent (few rows in flight) and pass 2 runs backwards
-    # (the chunk written last is read first).
-    IN_DT: tl.constexpr = X.dtype.element_ty
-    OUT_DT: tl.constexpr = Y.dtype.element_ty
-    pid = tl.program_id(0)
-    num_progs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_N)
-    num_chunks = tl.cdiv(N, BLOCK_N)
-    for row in range(pid, M, num_progs):
-        roff = tl.cast(row, tl.int64)  # (the interpreter hands loop variables over as Python ints)
-        x_row = X + roff * stride_x
-        r_row = R + roff * stride_r
-        h_row = H + roff * stride_h
-        y_row = Y + roff * stride_y
-
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k in range(0, num_chunks):
-            c = k * BLOCK_N + cols
-            m = c < N
-            x = tl.load(x_row + c, mask=m, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                r = tl.load(r_row + c, mask=m, other=0.0).to(tl.float32)
-                h = _round(x + r, IN_DT, ROUND_BITS)
-                if STORE_H:
-                    tl.store(h_row + c, h, mask=m)
-            else:
-                h = x
-            acc += h * h
-        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(acc, axis=0) / N + eps))
-        tl.store(RSTD + row, rstd)
-
-        for k in range(0, num_chunks):
-            c = (num_chunks - 1 - k) * BLOCK_N + cols
-            m = c < N
-            if HAS_RESIDUAL:
-                if STORE_H:
-                    # Same offsets and layout as the store above: each thread re-reads its own writes.
-                    h = tl.load(h_row + c, mask=m, other=0.0).to(tl.float32)
-                else:
-                    x = tl.load(x_row + c, mask=m, other=0.0).to(tl.float32)
-                    r = tl.load(r_row + c, mask=m, other=0.0).to(tl.float32)
-                    h = _round(x + r, IN_DT, ROUND_BITS)
-            else:
-                h = tl.load(x_row + c, mask=m, other=0.0).to(tl.float32)
-            n = h * rstd
-            if HAS_WEIGHT:
-                w = tl.load(W + c, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32) + weight_offset
-                if WEIGHT_AFTER_CAST:
-                    y = _round(n, IN_DT, ROUND_BITS) * w
-                else:
-                    y = n * w
-            else:
-                y = _round(n, IN_DT, ROUND_BITS)
-            tl.store(y_row + c, _for_store(y, OUT_DT, ROUND_BITS), mask=m)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,6 +208,8 @@ def _bwd_kernel(
     NEED_DW: tl.constexpr, ROUND_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # torch.compile passes Python floats as fp64 scalars; the math is fp32.
+    weight_offset = tl.cast(weight_offset, tl.float32)
     # Persistent: each program walks row tiles pid, pid + G, ... and keeps its dweight partial in
     # registers across them, writing it once to DWP[pid, :] (no atomics).
     IN_DT: tl.constexpr = H.dtype.element_ty
@@ -280,6 +261,8 @@ def _bwd_chunked_kernel(
     NEED_DW: tl.constexpr, ROUND_BITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    # torch.compile passes Python floats as fp64 scalars; the math is fp32.
+    weight_offset = tl.cast(weight_offset, tl.float32)
     # Long rows: pass 1 sums g*n over the row, pass 2 (backwards, L2-hot) writes dx and adds into
     # this program's own partial row DWP[pid, :], which no other program touches.
     IN_DT: tl.constexpr = H.dtype.element_ty
@@ -451,16 +434,14 @@ def rms_norm_fwd(
     weight_after_cast: bool = True,
     store_h: bool = True,
     out_dtype: torch.dtype | None = None,
-    max_fused: int | None = None,
-    num_programs: int | None = None,
+    max_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """RMSNorm of h = x (+ residual) over the last dim. Returns (y, h, rstd).
 
     y has x's shape and `out_dtype` (default x.dtype; pass the promoted dtype for a Llama-style norm
     whose weight dtype differs from the input's). h is x's dtype and shape: x itself when there is no
     residual, None when `store_h` is False. rstd is fp32 of shape [numel // N].
-    `max_fused` (largest power-of-two row kept in registers) and `num_programs` (grid of the
-    persistent chunked path) are tuning/testing knobs; results do not depend on them.
+    `max_chunk` (widest column chunk, a power of two) is a testing knob; results do not depend on it.
     """
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"unsupported dtype {x.dtype}")
@@ -489,13 +470,11 @@ def rms_norm_fwd(
         return y, h_out, rstd
 
     with _device_guard(x.device):
-        _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, y, h, rstd, max_fused,
-                    num_programs)
+        _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, y, h, rstd, max_chunk)
     return y, h_out, rstd
 
 
-def _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, y, h, rstd, max_fused,
-                num_programs):
+def _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, y, h, rstd, max_chunk):
     m, n = x2.shape
     has_res = residual is not None
     write_h = h is not None
@@ -508,18 +487,13 @@ def _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, 
     flags = dict(HAS_RESIDUAL=has_res, HAS_WEIGHT=weight is not None,
                  WEIGHT_AFTER_CAST=bool(weight_after_cast), STORE_H=write_h,
                  ROUND_BITS=x.device.type != "cuda")
-    max_fused = MAX_FUSED_FWD if max_fused is None else max_fused
-    if triton.next_power_of_2(n) <= max_fused:
-        block_m, block_n = _row_tile(n)
-        _launcher(_fwd_kernel, x2)[(triton.cdiv(m, block_m),)](
-            *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_warps_fwd(block_m * block_n))
-    else:
-        block_n = _chunk(max_fused)
-        consts = dict(flags, BLOCK_N=block_n)
-        warps = _warps_fwd(block_n)
-        cap = _l2_programs_per_sm(x.device, n * x.element_size()) if x.device.type == "cuda" else 1
-        grid = _persistent_grid(warps, x.device, m, num_programs, cap)
-        _launcher(_fwd_chunked_kernel, x2)[(grid,)](*args, **consts, num_warps=warps)
+    # Tiles of _TILE elements: whole short rows packed several per program, long rows in chunks.
+    block_n = _fwd_chunk(n) if max_chunk is None else min(triton.next_power_of_2(n), max_chunk)
+    block_m = max(1, _TILE // block_n)
+    one_pass = block_n >= n
+    _launcher(_fwd_kernel, x2)[(triton.cdiv(m, block_m),)](
+        *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass,
+        num_warps=_warps_fwd(block_m * block_n, one_pass))
 
 
 def rms_norm_bwd(

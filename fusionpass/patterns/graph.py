@@ -187,6 +187,16 @@ def escaping(nodes: Iterable[fx.Node], keep: Iterable[fx.Node] = ()) -> list[fx.
     return [n for n in inside if n not in keep and any(u not in inside for u in n.users)]
 
 
+def static_int(size) -> int | None:
+    """A size as a Python int: a SymInt the shape environment has pinned (e.g. by a matmul with a
+    weight) counts; a free symbol does not."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        return size.node.maybe_as_int()
+    return None
+
+
 def last_dim_contiguous(t: torch.Tensor) -> bool:
     return t.dim() == 0 or t.shape[-1] == 1 or t.stride(-1) == 1
 

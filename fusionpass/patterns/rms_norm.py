@@ -261,9 +261,9 @@ def weight_is_per_channel(m: Match, cfg) -> str | None:
 
 
 def width_in_range(m: Match, cfg) -> str | None:
-    width = g.tensor(m.bindings["h"]).shape[-1]
-    if not isinstance(width, int):
-        return f"row width {width} is symbolic"
+    width = g.static_int(g.tensor(m.bindings["h"]).shape[-1])
+    if width is None:
+        return "row width is symbolic (the kernel is specialized on it)"
     if width < cfg.rms_norm_min_width:
         return f"row width {width} < {cfg.rms_norm_min_width}: Inductor's fused code wins on short rows"
     if width > cfg.rms_norm_max_width:

@@ -97,7 +97,7 @@ def run_and_check(x, r, w, dy, dh, *, mode, eps=1e-6, need_dw=True, out_dtype=No
     _, after_cast, offset = MODES[mode]
     dt = x.dtype
     y, h, rstd = rms_norm_fwd(x, r, w, eps, weight_offset=offset, weight_after_cast=after_cast,
-                              out_dtype=out_dtype, max_fused=max_fused, num_programs=num_programs)
+                              out_dtype=out_dtype, max_chunk=max_fused)
     dx, dw = rms_norm_bwd(dy, dh, h, rstd, w, weight_offset=offset, weight_after_cast=after_cast,
                           need_dweight=need_dw, max_fused=max_fused, num_programs=num_programs)
     ref = reference(x, r, w, dy, dh, eps, mode, out_dtype)
@@ -185,12 +185,12 @@ def test_persistent_grid_sizes(max_fused):
 @pytest.mark.parametrize("max_fused", [None, 32], ids=["registers", "chunked"])
 def test_store_h_false(max_fused):
     x, r, w, _, _ = make((7, 67), BF16, mode="gemma")
-    y, h, rstd = rms_norm_fwd(x, r, w, 1e-6, weight_offset=1.0, weight_after_cast=False, max_fused=max_fused)
+    y, h, rstd = rms_norm_fwd(x, r, w, 1e-6, weight_offset=1.0, weight_after_cast=False, max_chunk=max_fused)
     y2, h2, rstd2 = rms_norm_fwd(x, r, w, 1e-6, weight_offset=1.0, weight_after_cast=False, store_h=False,
-                                 max_fused=max_fused)
+                                 max_chunk=max_fused)
     assert h2 is None and torch.equal(h, r + x)
     assert torch.equal(y, y2) and torch.equal(rstd, rstd2)
-    _, h3, _ = rms_norm_fwd(x, None, w, 1e-6, store_h=False, max_fused=max_fused)
+    _, h3, _ = rms_norm_fwd(x, None, w, 1e-6, store_h=False, max_chunk=max_fused)
     assert h3 is None
 
 
