@@ -1,7 +1,13 @@
-"""Whole-model benchmarks on the GPU: an HF Llama built from a config (random weights), plain
+"""Whole-model benchmarks on the GPU: HF models built from configs (random weights), plain
 torch.compile against fusionpass, side by side (interleaved) in one process.
 
-    python benchmarks/models.py [--layers 8] [--batch 4] [--seq 2048] [--fusions ...] [--json out.json]
+    python benchmarks/models.py [--model llama|gpt2|bert] [--layers 8] [--batch 4] [--seq 2048]
+                                [--mask] [--eager] [--steps train,inference] [--fusions ...]
+                                [--json out.json]
+
+llama: h2048, GQA 16/4, head_dim 128, intermediate 8192 (ANCHORS.md's config); gpt2: GPT-2 small
+with `loss_type="ForCausalLM"` (else its loss lands in a second graph); bert: BERT-base MLM.
+`--mask` passes an all-ones attention_mask, as training loops do.
 
 Reports, for a training step (forward + loss + backward) and an inference forward: milliseconds,
 tokens/s, peak memory above the weights, compile time (first call), match counts, and whether the
@@ -48,20 +54,40 @@ def build_llama(layers: int, vocab: int, hidden: int = 2048, intermediate: int =
     return transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.bfloat16)
 
 
-def train_step(model, ids):
+def build_gpt2():
+    import transformers
+
+    config = transformers.GPT2Config()
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.bfloat16)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def build_bert():
+    import transformers
+
+    config = transformers.BertConfig()
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForMaskedLM.from_config(config).to(DEVICE, torch.bfloat16)
+
+
+def train_step(model, ids, **kwargs):
     def step():
         model.zero_grad(set_to_none=True)
-        out = model(ids, labels=ids)
+        out = model(ids, labels=ids, **kwargs)
         out.loss.backward()
         return out.loss
 
     return step
 
 
-def infer_step(model, ids):
+def infer_step(model, ids, **kwargs):
     def step():
         with torch.no_grad():
-            return model(ids).logits
+            return model(ids, **kwargs).logits
 
     return step
 
@@ -84,10 +110,20 @@ def warm_up_compiler() -> None:
 def run(args) -> list[dict]:
     fusions = args.fusions.split(",") if args.fusions else None
     warm_up_compiler()
-    base = build_llama(args.layers, args.vocab)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=DEVICE)
+    if args.model == "llama":
+        base = build_llama(args.layers, args.vocab)
+        name = f"llama {args.layers}L h2048"
+    else:
+        base = build_gpt2() if args.model == "gpt2" else build_bert()
+        name = {"gpt2": "gpt2-small", "bert": "bert-base MLM"}[args.model]
+    vocab = base.config.vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq), device=DEVICE)
+    kwargs = {}
+    if args.mask:
+        kwargs["attention_mask"] = torch.ones_like(ids)
+        name += " all-ones mask"
     rows = []
-    for mode in ("train", "inference"):
+    for mode in args.steps.split(","):
         plain_model = copy.deepcopy(base).train(mode == "train")
         fused_model = copy.deepcopy(base).train(mode == "train")
         torch._dynamo.reset()
@@ -95,14 +131,17 @@ def run(args) -> list[dict]:
         plain = torch.compile(plain_model)
         fused = torch.compile(fused_model, backend=fusionpass.backend(fusions=fusions))
         make = train_step if mode == "train" else infer_step
-        steps = {"torch.compile": make(plain, ids), "fusionpass": make(fused, ids)}
+        steps = {"torch.compile": make(plain, ids, **kwargs), "fusionpass": make(fused, ids, **kwargs)}
+        eager_model = copy.deepcopy(base).train(mode == "train")
+        if args.eager:
+            steps["eager"] = make(eager_model, ids, **kwargs)
         compile_s = {k: first_call_seconds(s) for k, s in steps.items()}
         matches = fusionpass.stats()
         # numerics: one more step each from identical weights, and eager as the yardstick of
         # what bf16 rounding alone moves
-        eager_model = copy.deepcopy(base).train(mode == "train")
-        outs = {k: s().float() for k, s in [*steps.items(), ("eager", make(eager_model, ids))]}
-        del eager_model
+        outs = {k: s().float() for k, s in steps.items()}
+        if "eager" not in outs:
+            outs["eager"] = make(eager_model, ids, **kwargs)().float()
 
         def diff(a, b):
             return ((a - b).norm() / b.norm()).item() if b.dim() else abs((a - b).item())
@@ -115,7 +154,7 @@ def run(args) -> list[dict]:
         for k in steps:
             rows.append(
                 {
-                    "model": f"llama {args.layers}L h2048 B{args.batch} S{args.seq}",
+                    "model": f"{name} B{args.batch} S{args.seq}",
                     "step": mode,
                     "impl": k,
                     "ms": round(ms[k], 2),
@@ -123,19 +162,24 @@ def run(args) -> list[dict]:
                     "vs torch.compile": round(ms["torch.compile"] / ms[k], 3),
                     "peak GiB": round(mem[k] / 2**30, 2),
                     "compile s": round(compile_s[k], 1),
-                    "matches": "" if k == "torch.compile" else json.dumps(matches),
-                    "diff vs torch.compile": (
-                        f"eager: {eager_diff:.2e}" if k == "torch.compile" else f"{fused_diff:.2e}"
-                    ),
+                    "matches": json.dumps(matches) if k == "fusionpass" else "",
+                    "diff vs torch.compile": {
+                        "torch.compile": f"eager: {eager_diff:.2e}",
+                        "fusionpass": f"{fused_diff:.2e}",
+                    }.get(k, ""),
                 }
             )
-        del plain, fused, plain_model, fused_model, steps, outs
+        del plain, fused, plain_model, fused_model, eager_model, steps, outs
         torch.cuda.empty_cache()
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama", choices=["llama", "gpt2", "bert"])
+    parser.add_argument("--mask", action="store_true", help="pass an all-ones attention_mask")
+    parser.add_argument("--eager", action="store_true", help="also time eager PyTorch")
+    parser.add_argument("--steps", default="train,inference")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--batch", type=int, default=4)

@@ -1,0 +1,229 @@
+"""attention: give SDPA its fast path back when the mask it is handed is provably not needed.
+
+Under torch.compile transformers 5.x passes every SDPA call a materialized boolean mask with
+`is_causal=False`, even with no padding at all, and SDPA then leaves its flash/cuDNN kernels
+(2.6-3.5x slower on the H200, ANCHORS.md). `fusionpass.patterns.masks` proves what the mask is:
+  - purely causal with query and key positions aligned  -> `is_causal=True`, no mask
+  - true everywhere (bidirectional, no padding)          -> no mask
+  - either of those AND key padding from the run-time `attention_mask` -> a branch
+    (`torch.cond`) on one check per forward, "is the attention_mask all true": the fast call if
+    so, the original masked call otherwise, so any padding stays exact. The check is a host sync,
+    made once for the mask all layers share; it is not made under CUDA graphs.
+Everything else is a near miss with its reason: sliding windows and diagonal offsets need
+fusionpass's own attention kernel.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from fusionpass import registry
+from fusionpass.patterns import graph as g
+from fusionpass.patterns import masks
+from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
+
+_SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
+_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def is_sdpa(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in _SDPA
+
+
+def sdpa_arguments(node: fx.Node) -> dict:
+    args = dict(_DEFAULTS)
+    args.update(zip(_PARAMS, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+_NEEDS_KERNEL = {
+    "sliding_window": "needs fusionpass's attention kernel (not built yet)",
+    "causal_offset": "query and key positions are offset (bottom-right causal) while SDPA's "
+    "is_causal is top-left; needs fusionpass's attention kernel (not built yet)",
+}
+
+
+def _search(kind: str, checked: bool):
+    """Masks that are `kind` outright, or (`checked`) `kind` AND run-time key padding."""
+
+    def search(node: fx.Node) -> Match | None:
+        args = sdpa_arguments(node)
+        mask = args["attn_mask"]
+        if not isinstance(mask, fx.Node) or args["is_causal"] is not False:
+            return None
+        if g.dtype(mask) != torch.bool:
+            raise NearMiss(f"attention mask of dtype {g.dtype(mask)} (an additive bias)")
+        found = masks.classify(mask)
+        if found.kind in _NEEDS_KERNEL:
+            raise NearMiss(f"{found.detail}: {_NEEDS_KERNEL[found.kind]}")
+        if found.kind == "other":
+            raise NearMiss(f"mask not provable: {found.detail}")
+        if found.kind != kind or bool(found.runtime) != checked:
+            return None
+        sources = tuple(dict.fromkeys(r.source for r in found.runtime))
+        return Match(
+            variant=f"{kind}_mask" + ("_if_unpadded" if checked else ""),
+            anchor=node,
+            nodes=[node],
+            bindings=dict(args=args, mask=mask, mask_nodes=found.nodes, padding=sources, kind=kind),
+        )
+
+    return search
+
+
+# ---------------------------------------------------------------------------------------------
+# guards
+
+
+def device_supported(m: Match, cfg) -> str | None:
+    device = g.tensor(m.bindings["args"]["query"]).device
+    if device.type == "cuda" or (device.type == "cpu" and cfg.cpu):
+        return None
+    return f"device {device.type}: left to Inductor"
+
+
+def mask_covers_the_scores(m: Match, cfg) -> str | None:
+    """The mask's index vectors span exactly the query and key lengths, and the mask is
+    [.., Sq, Skv]; for is_causal the two lengths must be equal (SDPA aligns top-left)."""
+    args = m.bindings["args"]
+    q, k = g.tensor(args["query"]), g.tensor(args["key"])
+    mask = g.tensor(m.bindings["mask"])
+    sq, skv = q.shape[-2], k.shape[-2]
+    if mask.dim() < 2 or not (
+        statically_known_true(mask.shape[-2] == sq) or mask.shape[-2] == 1
+    ) or not statically_known_true(mask.shape[-1] == skv):
+        return f"mask shape {tuple(mask.shape)} does not cover scores [.., {sq}, {skv}]"
+    lengths = masks.index_lengths(m.bindings["mask"])
+    for axis, size in ((masks.Q_AXIS, sq), (masks.KV_AXIS, skv)):
+        n = lengths.get(axis)
+        if n is not None and not statically_known_true(n == size):
+            return f"mask index length {n} differs from the attention length {size}"
+    if m.bindings["kind"] == "causal" and not statically_known_true(sq == skv):
+        return f"query length {sq} != key length {skv}: SDPA's is_causal would align top-left"
+    return None
+
+
+def run_time_check_allowed(m: Match, cfg) -> str | None:
+    if not m.bindings["padding"]:
+        return None
+    from torch._inductor import config as inductor_config
+
+    if inductor_config.triton.cudagraphs:
+        return "the all-true check of attention_mask is a host sync, not allowed under CUDA graphs"
+    dropout = m.bindings["args"]["dropout_p"]
+    if not g.is_literal(dropout, 0):
+        # torch.cond's backward re-runs its branch: dropout would draw other random numbers there
+        # than in the forward, and the gradients would be wrong (seen on CPU: 1.2 relative error)
+        return f"attention dropout {dropout} inside a run-time branch: its backward would re-draw the mask"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# replacement
+
+
+def _fast_arguments(m: Match) -> tuple[tuple, dict]:
+    """SDPA's arguments without the mask: is_causal for a causal mask, nothing for an all-true one."""
+    args = dict(m.bindings["args"])
+    args["attn_mask"] = None
+    args["is_causal"] = m.bindings["kind"] == "causal"
+    positional = tuple(args.pop(p) for p in ("query", "key", "value"))
+    kwargs = {k: v for k, v in args.items() if v != _DEFAULTS[k] or k == "is_causal"}
+    return positional, kwargs
+
+
+def _sdpa_branch(target, kwargs: dict, with_mask: bool) -> fx.GraphModule:
+    """A branch of torch.cond: (query, key, value, mask) -> (SDPA(...),)."""
+    graph = fx.Graph()
+    q, k, v, mask = (graph.placeholder(name) for name in ("query", "key", "value", "mask"))
+    kwargs = dict(kwargs)
+    if with_mask:
+        kwargs.update(attn_mask=mask, is_causal=False)
+    out = graph.call_function(target, (q, k, v), kwargs)
+    graph.output((out,))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _all_true_flag(graph: fx.Graph, source: fx.Node) -> fx.Node:
+    """One fusionpass::all_true per run-time mask, shared by every layer reading it."""
+    for user in source.users:
+        if user.target is torch.ops.fusionpass.all_true.default:
+            return user
+    return g.insert_call(
+        graph, source.next, torch.ops.fusionpass.all_true.default, (source,), source
+    )
+
+
+def replace(graph: fx.Graph, m: Match, cfg) -> None:
+    node = m.anchor
+    positional, kwargs = _fast_arguments(m)
+    if not m.bindings["padding"]:
+        with graph.inserting_before(node):
+            new = graph.call_function(node.target, positional, kwargs)
+        new.meta.update(node.meta)
+    else:
+        flags = [_all_true_flag(graph, source) for source in m.bindings["padding"]]
+        module = graph.owning_module
+        with graph.inserting_before(node):
+            flag = flags[0]
+            for other in flags[1:]:
+                flag = graph.call_function(torch.logical_and, (flag, other))
+            names = []
+            for with_mask in (False, True):
+                name = _free_attribute(module, "fusionpass_sdpa_masked" if with_mask else "fusionpass_sdpa_fast")
+                module.register_module(name, _sdpa_branch(node.target, kwargs, with_mask))
+                names.append(graph.get_attr(name))
+            operands = (*positional, m.bindings["mask"])
+            branch = graph.call_function(torch.ops.higher_order.cond, (flag, *names, operands))
+            new = graph.call_function(operator.getitem, (branch, 0))
+        new.meta.update(node.meta)
+        branch.meta["example_value"] = (node.meta.get("example_value"),)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    # the mask is shared by every layer: it goes once its last reader is rewritten
+    g.erase_unused(graph, [n for n in m.bindings["mask_nodes"] if n.op != "placeholder"])
+
+
+def _free_attribute(module: torch.nn.Module, prefix: str) -> str:
+    i = 0
+    while hasattr(module, f"{prefix}_{i}"):
+        i += 1
+    return f"{prefix}_{i}"
+
+
+ATTENTION = registry.register(
+    Fusion(
+        name="attention",
+        matches=(
+            "F.scaled_dot_product_attention with a boolean mask built from index arithmetic "
+            "(transformers' sdpa_mask): proven causal -> is_causal=True, proven all-true -> no mask; "
+            "the same AND key padding -> that fast call when attention_mask is all true (one "
+            "check per forward), the original call otherwise"
+        ),
+        selected_when=(
+            "always where the mask is proven (dropping a mask never slows SDPA down); sliding "
+            "windows, run-time key padding and offset diagonals are near misses"
+        ),
+        anchor=lambda node: is_sdpa(node)
+        and isinstance(sdpa_arguments(node)["attn_mask"], fx.Node),
+        variants=(
+            Variant("causal_mask", _search("causal", checked=False)),
+            Variant("none_mask", _search("none", checked=False)),
+            Variant("causal_mask_if_unpadded", _search("causal", checked=True)),
+            Variant("none_mask_if_unpadded", _search("none", checked=True)),
+        ),
+        guards=(
+            Guard("device", device_supported),
+            Guard("shape", mask_covers_the_scores),
+            Guard("run_time_check", run_time_check_allowed),
+        ),
+        replace=replace,
+        unmatched="SDPA with a mask this fusion has no rewrite for",
+    )
+)

@@ -1,0 +1,274 @@
+"""What a materialized attention mask computes, proven from the graph that builds it.
+
+transformers 5.x builds SDPA masks under torch.compile from index arithmetic
+(`masking_utils.sdpa_mask`): `arange` vectors placed on the query or key axis, compared
+(`kv_idx <= q_idx`, `kv_idx > q_idx - window`, `q_idx >= 0`), AND-ed with each other and with a
+key-padding lookup `attention_mask[batch_idx, kv_idx]`, then expanded to [B, 1, Q, KV]. Instead of
+matching each spelling, this module evaluates that graph abstractly:
+
+  - an index tensor is an affine function of the mask's axes (`Affine`), axes numbered from the
+    right so broadcasting needs no bookkeeping (-1: key position, -2: query position);
+  - a comparison of two affine values is a linear constraint `sum(coef * axis) + const <= 0`;
+  - a lookup into a tensor that only exists at run time is a `RuntimeTerm`;
+  - AND collects all of these; `expand`, `.to(device)` and bool casts change nothing.
+
+Any op outside that vocabulary makes the mask unprovable (a near miss with its name).
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from fusionpass.patterns import graph as g
+
+Q_AXIS, KV_AXIS = -2, -1
+
+
+class Unprovable(Exception):
+    """The mask graph uses something this analysis cannot reason about."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    coef: tuple[tuple[int, int], ...]  # ((axis, coefficient), ...), axes counted from the right
+    const: int
+    lengths: tuple[tuple[int, object], ...] = ()  # (axis, length of the arange placed there)
+
+    def terms(self) -> dict[int, int]:
+        return dict(self.coef)
+
+    def shifted(self, c: int) -> Affine:
+        return Affine(self.coef, self.const + c, self.lengths)
+
+    def plus(self, other: Affine, sign: int = 1) -> Affine:
+        terms = self.terms()
+        for axis, k in other.coef:
+            terms[axis] = terms.get(axis, 0) + sign * k
+        lengths = dict(self.lengths)
+        lengths.update(other.lengths)
+        return Affine(
+            tuple(sorted((a, k) for a, k in terms.items() if k)),
+            self.const + sign * other.const,
+            tuple(sorted(lengths.items())),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """sum(coef * axis) + const <= 0 over integer positions."""
+
+    coef: tuple[tuple[int, int], ...]
+    const: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeTerm:
+    what: str
+    source: fx.Node
+
+
+@dataclasses.dataclass(frozen=True)
+class Conjunction:
+    constraints: tuple[Constraint, ...] = ()
+    runtime: tuple[RuntimeTerm, ...] = ()
+    lengths: tuple[tuple[int, object], ...] = ()
+
+    def and_(self, other: Conjunction) -> Conjunction:
+        return Conjunction(
+            self.constraints + other.constraints,
+            self.runtime + other.runtime,
+            tuple(sorted(dict(self.lengths + other.lengths).items())),
+        )
+
+
+TRUE = Conjunction()
+
+_COMPARISONS = {
+    operator.le: "le",
+    operator.lt: "lt",
+    operator.ge: "ge",
+    operator.gt: "gt",
+    torch.le: "le",
+    torch.lt: "lt",
+    torch.ge: "ge",
+    torch.gt: "gt",
+    "le": "le",
+    "lt": "lt",
+    "ge": "ge",
+    "gt": "gt",
+    "__le__": "le",
+    "__lt__": "lt",
+    "__ge__": "ge",
+    "__gt__": "gt",
+}
+_ANDS = {operator.and_, torch.logical_and, torch.bitwise_and, "logical_and", "__and__", "bitwise_and"}
+
+
+def _target(node: fx.Node):
+    return node.target if node.op in ("call_function", "call_method") else None
+
+
+def _constraint(kind: str, a: Affine, b: Affine) -> Constraint:
+    if kind in ("ge", "gt"):
+        a, b, kind = b, a, "le" if kind == "ge" else "lt"
+    diff = a.plus(b, -1)  # a - b <= 0  (a - b + 1 <= 0 for <, over integers)
+    return Constraint(diff.coef, diff.const + (1 if kind == "lt" else 0))
+
+
+def _index_placement(node: fx.Node, src: Affine) -> Affine:
+    """x[(None, None, slice(None), None)]: move the 1-D index onto the axis the slice lands on."""
+    index = node.args[1]
+    if not isinstance(index, tuple) or src.coef == () or len(src.coef) != 1 or src.coef[0][0] != -1:
+        raise Unprovable("indexing of a non-1-D index vector")
+    if any(not (i is None or (isinstance(i, slice) and i == slice(None))) for i in index):
+        raise Unprovable("index vector sliced or gathered")
+    if sum(isinstance(i, slice) for i in index) != 1:
+        raise Unprovable("index vector with several slices")
+    pos = next(p for p, i in enumerate(index) if isinstance(i, slice))
+    axis = pos - len(index)
+    (_, k), = src.coef
+    length = dict(src.lengths).get(-1)
+    return Affine(((axis, k),), src.const, ((axis, length),))
+
+
+class MaskAnalysis:
+    """Evaluates the nodes that build one mask; results are memoized per node."""
+
+    def __init__(self):
+        self.memo: dict[fx.Node, object] = {}
+        self.nodes: set[fx.Node] = set()
+
+    def value(self, arg):
+        if isinstance(arg, bool):
+            if not arg:
+                raise Unprovable("constant False mask")
+            return TRUE
+        if isinstance(arg, int):
+            return Affine((), arg)
+        if not isinstance(arg, fx.Node):
+            raise Unprovable(f"mask operand {arg!r}")
+        if arg not in self.memo:
+            self.memo[arg] = self._eval(arg)
+            self.nodes.add(arg)
+        return self.memo[arg]
+
+    def _eval(self, node: fx.Node):
+        t = _target(node)
+        if t is torch.arange:
+            if len(node.args) != 1 or set(node.kwargs) - {"device", "dtype"}:
+                raise Unprovable("arange with start/step")
+            return Affine(((-1, 1),), 0, ((-1, node.args[0]),))
+        if t in (operator.add, operator.sub, torch.add, torch.sub, "add", "sub"):
+            a, b = (self.value(x) for x in node.args[:2])
+            if node.kwargs or not (isinstance(a, Affine) and isinstance(b, Affine)):
+                raise Unprovable("arithmetic on a non-index value")
+            sign = -1 if t in (operator.sub, torch.sub, "sub") else 1
+            return a.plus(b, sign)
+        if t is operator.getitem:
+            src = node.args[0]
+            index = node.args[1]
+            if isinstance(index, tuple) and any(isinstance(i, fx.Node) for i in index):
+                return self._lookup(node)
+            return _index_placement(node, self.value(src))
+        if t in _COMPARISONS:
+            a, b = (self.value(x) for x in node.args[:2])
+            if not (isinstance(a, Affine) and isinstance(b, Affine)):
+                raise Unprovable("comparison of non-index values")
+            lengths = tuple(sorted(dict(a.lengths + b.lengths).items()))
+            return Conjunction((_constraint(_COMPARISONS[t], a, b),), (), lengths)
+        if t in _ANDS:
+            a, b = (self.value(x) for x in node.args[:2])
+            if not (isinstance(a, Conjunction) and isinstance(b, Conjunction)):
+                raise Unprovable("AND of non-boolean values")
+            return a.and_(b)
+        if t in ("new_ones", torch.ones) and g.dtype(node) == torch.bool:
+            return TRUE
+        if t in ("to", "expand", "contiguous"):
+            src = self.value(node.args[0])
+            if t == "to" and g.dtype(node) != g.dtype(node.args[0]):
+                if not (isinstance(src, Conjunction) and g.dtype(node) == torch.bool):
+                    raise Unprovable("mask cast to another dtype")
+            return src
+        name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
+        raise Unprovable(f"mask built with `{name}`")
+
+    def _lookup(self, node: fx.Node):
+        """attention_mask[batch_idx, kv_idx]: key padding whose values exist only at run time."""
+        source = node.args[0]
+        index = node.args[1]
+        placements = [self.value(i) for i in index]
+        axes = {a for p in placements if isinstance(p, Affine) for a, _ in p.coef}
+        if KV_AXIS in axes and Q_AXIS not in axes:
+            return Conjunction((), (RuntimeTerm("key padding", source),))
+        raise Unprovable("lookup into a run-time tensor by query position")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskKind:
+    kind: str  # "none" | "causal" | "causal_offset" | "sliding_window" | "other"
+    detail: str
+    nodes: frozenset[fx.Node]
+    # run-time tensors the mask also depends on (key padding): the mask equals `kind` wherever
+    # all of them are true
+    runtime: tuple[RuntimeTerm, ...] = ()
+
+
+def _always_true(c: Constraint, lengths: dict) -> bool:
+    """A one-axis constraint that holds for every position 0..len-1 of that axis."""
+    terms = dict(c.coef)
+    if not terms:
+        return c.const <= 0
+    if len(terms) != 1:
+        return False
+    (axis, k), = terms.items()
+    # k * i + const <= 0 for all i >= 0: needs k <= 0 and const <= 0 (i = 0 is the worst case);
+    # positive k needs the length, which we only trust as a Python int
+    if k <= 0:
+        return c.const <= 0
+    n = lengths.get(axis)
+    return isinstance(n, int) and k * (n - 1) + c.const <= 0
+
+
+def classify(mask: fx.Node) -> MaskKind:
+    analysis = MaskAnalysis()
+    try:
+        value = analysis.value(mask)
+    except Unprovable as why:
+        return MaskKind("other", str(why), frozenset(analysis.nodes))
+    if not isinstance(value, Conjunction):
+        return MaskKind("other", "not a boolean mask", frozenset(analysis.nodes))
+    nodes = frozenset(analysis.nodes)
+    lengths = dict(value.lengths)
+    constraints = [c for c in value.constraints if not _always_true(c, lengths)]
+    causal = [c for c in constraints if dict(c.coef) == {KV_AXIS: 1, Q_AXIS: -1}]
+    window = [c for c in constraints if dict(c.coef) == {KV_AXIS: -1, Q_AXIS: 1}]
+    rest = [c for c in constraints if c not in causal and c not in window]
+    runtime = value.runtime
+    padding = ""
+    if runtime:
+        padding = " with " + ", ".join(sorted({r.what for r in runtime})) + " from a run-time tensor"
+    if rest or len(causal) > 1 or len(window) > 1:
+        return MaskKind("other", "mask constraints of an unknown shape", nodes, runtime)
+    if window:
+        return MaskKind("sliding_window", "sliding-window mask" + padding, nodes, runtime)
+    if not causal:
+        detail = "bidirectional mask" + padding if runtime else "mask is true everywhere"
+        return MaskKind("none", detail, nodes, runtime)
+    offset = causal[0].const  # kv - q + offset <= 0
+    if offset != 0:
+        detail = f"causal mask with diagonal offset {-offset}" + padding
+        return MaskKind("causal_offset", detail, nodes, runtime)
+    return MaskKind("causal", "causal mask (kv <= q)" + padding, nodes, runtime)
+
+
+def index_lengths(mask: fx.Node) -> dict[int, object]:
+    """The arange lengths placed on each axis of a mask (for the shape guard)."""
+    analysis = MaskAnalysis()
+    try:
+        value = analysis.value(mask)
+    except Unprovable:
+        return {}
+    return dict(value.lengths) if isinstance(value, Conjunction) else {}
