@@ -40,7 +40,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(heads * self.head_dim, width, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask):
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads
+            q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -72,9 +72,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(width)
         self.mlp = MLP(width, hidden)
 
-    def forward(self, h, cos, sin):
+    def forward(self, h, cos, sin, mask):
         residual = h
-        h = self.self_attn(self.input_layernorm(h), cos, sin)
+        h = self.self_attn(self.input_layernorm(h), cos, sin, mask)
         h = residual + h
         residual = h
         h = self.mlp(self.post_attention_layernorm(h))
@@ -82,7 +82,8 @@ class Block(nn.Module):
 
 
 class DemoLlama(nn.Module):
-    """A tiny Llama-style causal LM: pre-norm blocks, RoPE, GQA attention, SwiGLU MLP."""
+    """A tiny Llama-style causal LM: pre-norm blocks, RoPE, GQA attention with a materialized
+    causal mask (as HF models pass it under torch.compile), SwiGLU MLP."""
 
     def __init__(self, vocab=256, width=512, layers=2, heads=8, kv_heads=4, hidden=1024):
         super().__init__()
@@ -103,8 +104,12 @@ class DemoLlama(nn.Module):
         freqs = torch.outer(pos, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        # a materialized causal mask, as transformers builds it under torch.compile
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        mask = positions[None, None, None, :] <= positions[None, None, :, None]
+        mask = mask.expand(input_ids.shape[0], -1, -1, -1)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         logits = self.lm_head(self.norm(h))
         if labels is None:
             return logits

@@ -73,9 +73,8 @@ def _table(header, rows) -> list[str]:
     rows = [tuple(str(c) for c in r) for r in rows]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [
-        fmt.format(*r).rstrip() for r in rows
-    ]
+    lines = [header, tuple("-" * w for w in widths), *rows]
+    return [fmt.format(*r).rstrip() for r in lines]
 
 
 def _device_of(model, args) -> str:

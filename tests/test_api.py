@@ -402,8 +402,12 @@ def test_explain_demo_llama():
     ids = torch.randint(0, 256, (2, 16))
     report = fusionpass.explain(demo, ids)
     assert isinstance(report, fusionpass.Report)
-    assert report.matches == {FUSION: 5}
-    assert report.variants == {(FUSION, "llama"): 4, (FUSION, "llama_no_residual"): 1}
+    assert report.matches == {FUSION: 5, "attention": 2}
+    assert report.variants == {
+        (FUSION, "llama"): 4,
+        (FUSION, "llama_no_residual"): 1,
+        ("attention", "causal_mask"): 2,
+    }
     assert report.near_misses == []
     assert report.graphs == 1
     assert report.graph_breaks == 0
@@ -412,8 +416,12 @@ def test_explain_demo_llama():
     assert re.search(r"^fusion +matches +variants *$", text, re.MULTILINE), text
     assert re.search(r"^rms_norm_residual +5 +llama: 4, llama_no_residual: 1$", text, re.MULTILINE), text
     data = json.loads(report.to_json())
-    assert data["matches"] == {FUSION: 5}
-    assert data["variants"] == {f"{FUSION}/llama": 4, f"{FUSION}/llama_no_residual": 1}
+    assert data["matches"] == {FUSION: 5, "attention": 2}
+    assert data["variants"] == {
+        f"{FUSION}/llama": 4,
+        f"{FUSION}/llama_no_residual": 1,
+        "attention/causal_mask": 2,
+    }
     assert data["near_misses"] == [] and data["graphs"] == 1
     assert set(data["enabled"]) == set(fusionpass.FUSION_NAMES)
 
@@ -464,8 +472,12 @@ def test_cli_list_text(capsys):
 def test_cli_explain_json(capsys):
     assert cli.main(["explain", "--json", "--device", "cpu"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["matches"] == {FUSION: 5}
-    assert data["variants"] == {f"{FUSION}/llama": 4, f"{FUSION}/llama_no_residual": 1}
+    assert data["matches"] == {FUSION: 5, "attention": 2}
+    assert data["variants"] == {
+        f"{FUSION}/llama": 4,
+        f"{FUSION}/llama_no_residual": 1,
+        "attention/causal_mask": 2,
+    }
     assert data["device"] == "cpu"
 
 

@@ -217,19 +217,17 @@ class MaskKind:
 
 
 def _always_true(c: Constraint, lengths: dict) -> bool:
-    """A one-axis constraint that holds for every position 0..len-1 of that axis."""
-    terms = dict(c.coef)
-    if not terms:
-        return c.const <= 0
-    if len(terms) != 1:
-        return False
-    (axis, k), = terms.items()
-    # k * i + const <= 0 for all i >= 0: needs k <= 0 and const <= 0 (i = 0 is the worst case);
-    # positive k needs the length, which we only trust as a Python int
-    if k <= 0:
-        return c.const <= 0
-    n = lengths.get(axis)
-    return isinstance(n, int) and k * (n - 1) + c.const <= 0
+    """Whether a constraint holds at every position 0..len-1 of its axes: its largest value over
+    that box is <= 0. Positive coefficients need the axis length as a Python int (a sliding window
+    wider than a static sequence, `q >= 0`); a symbolic length proves nothing."""
+    worst = c.const
+    for axis, k in c.coef:
+        if k > 0:
+            n = lengths.get(axis)
+            if not isinstance(n, int):
+                return False
+            worst += k * (n - 1)
+    return worst <= 0
 
 
 def classify(mask: fx.Node) -> MaskKind:
