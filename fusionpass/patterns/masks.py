@@ -86,6 +86,14 @@ class Conjunction:
 
 TRUE = Conjunction()
 
+
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """A tensor every element of which equals `value` (e.g. transformers' packed-sequence ids
+    computed from position ids that are a plain arange)."""
+
+    value: object
+
 _COMPARISONS = {
     operator.le: "le",
     operator.lt: "lt",
@@ -104,6 +112,8 @@ _COMPARISONS = {
     "__ge__": "ge",
     "__gt__": "gt",
 }
+_EQUALITIES = {operator.eq: "eq", torch.eq: "eq", "eq": "eq", "__eq__": "eq",
+               operator.ne: "ne", torch.ne: "ne", "ne": "ne", "__ne__": "ne"}
 _ANDS = {operator.and_, torch.logical_and, torch.bitwise_and, "logical_and", "__and__", "bitwise_and"}
 
 
@@ -132,6 +142,67 @@ def _index_placement(node: fx.Node, src: Affine) -> Affine:
     (_, k), = src.coef
     length = dict(src.lengths).get(-1)
     return Affine(((axis, k),), src.const, ((axis, length),))
+
+
+def _as_mask(value) -> Conjunction:
+    if isinstance(value, Conjunction):
+        return value
+    if isinstance(value, Constant) and value.value is True:
+        return TRUE
+    raise Unprovable("AND of a value that is not a proven mask")
+
+
+def _first_positions(node: fx.Node, src) -> Affine:
+    """x[:, :1] (plain slices, each whole or the first position): the value at position 0 of the
+    sliced axes, i.e. the affine value without their terms."""
+    if not isinstance(src, Affine):
+        raise Unprovable("slice of a non-index value")
+    index = node.args[1]
+    terms = src.terms()
+    for pos, item in enumerate(index):
+        axis = pos - g.tensor(node.args[0]).dim()
+        if item == slice(None):
+            continue
+        if item.step in (None, 1) and item.start in (None, 0) and item.stop == 1:
+            terms.pop(axis, None)
+            continue
+        raise Unprovable("index vector sliced")
+    return Affine(tuple(sorted(terms.items())), src.const)
+
+
+def _unsqueezed(node: fx.Node, src):
+    """Axes are numbered from the right: a new dim moves only the axes left of it."""
+    if isinstance(src, Constant):
+        return src
+    if not isinstance(src, Affine):
+        raise Unprovable("unsqueeze of a non-index value")
+    ndim = g.tensor(node.args[0]).dim()
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    pos = dim if dim >= 0 else dim + ndim + 1  # position of the new dim in the output
+    moved = lambda axis: axis - 1 if ndim + axis < pos else axis  # noqa: E731
+    return Affine(
+        tuple(sorted((moved(a), k) for a, k in src.coef)),
+        src.const,
+        tuple(sorted((moved(a), n) for a, n in src.lengths)),
+    )
+
+
+def _diff(node: fx.Node, src, prepend) -> Constant:
+    """torch.diff(x, prepend=x[..., :1] - k, dim=-1) of x = k * i + c along the last axis is k
+    everywhere (transformers' packed-sequence detection on plain position ids)."""
+    dim = node.kwargs.get("dim", -1)
+    if (
+        set(node.kwargs) - {"dim", "prepend"}
+        or len(node.args) != 1
+        or dim != -1
+        or not isinstance(src, Affine)
+        or not isinstance(prepend, Affine)
+    ):
+        raise Unprovable("diff of a non-index value")
+    k = src.terms().get(-1, 0)
+    if set(src.terms()) != {-1} or prepend.coef or prepend.const != src.const - k:
+        raise Unprovable("diff of a non-arange value")
+    return Constant(k)
 
 
 class MaskAnalysis:
@@ -172,7 +243,30 @@ class MaskAnalysis:
             index = node.args[1]
             if isinstance(index, tuple) and any(isinstance(i, fx.Node) for i in index):
                 return self._lookup(node)
-            return _index_placement(node, self.value(src))
+            value = self.value(src)
+            if isinstance(value, Constant):
+                return value
+            if isinstance(index, tuple) and index and all(isinstance(i, slice) for i in index):
+                return _first_positions(node, value)
+            return _index_placement(node, value)
+        if t in _EQUALITIES:
+            a, b = (self.value(x) for x in node.args[:2])
+            if isinstance(a, Affine) and not a.coef:
+                a = Constant(a.const)
+            if isinstance(b, Affine) and not b.coef:
+                b = Constant(b.const)
+            if not (isinstance(a, Constant) and isinstance(b, Constant)):
+                raise Unprovable(f"`{_EQUALITIES[t]}` of values not proven constant")
+            return Constant((a.value == b.value) == (_EQUALITIES[t] == "eq"))
+        if t is torch.diff:
+            return _diff(node, self.value(node.args[0]), self.value(node.kwargs.get("prepend")))
+        if t == "cumsum":
+            src = self.value(node.args[0])
+            if isinstance(src, Constant) and src.value in (0, False):
+                return Constant(0)
+            raise Unprovable("cumsum of a value not proven zero")
+        if t == "unsqueeze":
+            return _unsqueezed(node, self.value(node.args[0]))
         if t in _COMPARISONS:
             a, b = (self.value(x) for x in node.args[:2])
             if not (isinstance(a, Affine) and isinstance(b, Affine)):
@@ -180,25 +274,30 @@ class MaskAnalysis:
             lengths = tuple(sorted(dict(a.lengths + b.lengths).items()))
             return Conjunction((_constraint(_COMPARISONS[t], a, b),), (), lengths)
         if t in _ANDS:
-            a, b = (self.value(x) for x in node.args[:2])
-            if not (isinstance(a, Conjunction) and isinstance(b, Conjunction)):
-                raise Unprovable("AND of non-boolean values")
+            a, b = (_as_mask(self.value(x)) for x in node.args[:2])
             return a.and_(b)
         if t in ("new_ones", torch.ones) and g.dtype(node) == torch.bool:
             return TRUE
         if t in ("to", "expand", "contiguous"):
             src = self.value(node.args[0])
             if t == "to" and g.dtype(node) != g.dtype(node.args[0]):
-                if not (isinstance(src, Conjunction) and g.dtype(node) == torch.bool):
+                if not (isinstance(src, (Conjunction, Constant)) and g.dtype(node) == torch.bool):
                     raise Unprovable("mask cast to another dtype")
             return src
         name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
         raise Unprovable(f"mask built with `{name}`")
 
     def _lookup(self, node: fx.Node):
-        """attention_mask[batch_idx, kv_idx]: key padding whose values exist only at run time."""
+        """attention_mask[batch_idx, kv_idx]: key padding whose values exist only at run time
+        (or a gather from a tensor proven constant, which stays that constant)."""
         source = node.args[0]
         index = node.args[1]
+        try:
+            value = self.value(source)
+        except Unprovable:
+            value = None
+        if isinstance(value, Constant):
+            return value
         placements = [self.value(i) for i in index]
         axes = {a for p in placements if isinstance(p, Affine) for a, _ in p.coef}
         if KV_AXIS in axes and Q_AXIS not in axes:
@@ -236,6 +335,8 @@ def classify(mask: fx.Node) -> MaskKind:
         value = analysis.value(mask)
     except Unprovable as why:
         return MaskKind("other", str(why), frozenset(analysis.nodes))
+    if isinstance(value, Constant) and value.value is True:
+        value = TRUE
     if not isinstance(value, Conjunction):
         return MaskKind("other", "not a boolean mask", frozenset(analysis.nodes))
     nodes = frozenset(analysis.nodes)

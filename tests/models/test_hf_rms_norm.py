@@ -60,7 +60,7 @@ def plain_compile(model, ids, kwargs, train):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_tiny_hf_model(name, train):
     model, ids, kwargs = model_and_inputs(name, train)
-    got, stats = compile_and_count(model, ids, train=train, kwargs=kwargs)
+    got, stats = compile_and_count(model, ids, train=train, kwargs=kwargs, fusions=[FUSION])
     assert stats == expected_counts(FAMILIES[name])
     assert near_misses() == []
     expected = plain_compile(model, ids, kwargs, train)
@@ -73,7 +73,7 @@ def test_tiny_hf_model(name, train):
 
 def test_tiny_llama_bf16_inference():
     model, ids, kwargs = model_and_inputs("llama", train=False, dtype=torch.bfloat16)
-    got, stats = compile_and_count(model, ids, kwargs=kwargs)
+    got, stats = compile_and_count(model, ids, kwargs=kwargs, fusions=[FUSION])
     assert stats == expected_counts("llama")
     assert got.outputs[0].dtype == torch.bfloat16
     expected = plain_compile(model, ids, kwargs, train=False)
@@ -86,13 +86,13 @@ def test_tiny_llama_explain_and_other_sequence_lengths():
     into a graph symbolic in it (fully matched again: eps and widths stay static), and reuses
     that graph for every later length."""
     model, ids, _ = model_and_inputs("llama", train=False)
-    report = fusionpass.explain(model, ids, use_cache=False)
+    report = fusionpass.explain(model, ids, fusions=[FUSION], use_cache=False)
     assert report.matches == {FUSION: 2 * LAYERS + 1}
     assert report.variants == expected_counts("llama")
     assert report.near_misses == []
     assert report.graph_breaks == 0
     with compiling():
-        compiled = torch.compile(model, backend=make_backend(), fullgraph=True)
+        compiled = torch.compile(model, backend=make_backend([FUSION]), fullgraph=True)
         for seq in (16, 9, 5, 12):
             x = torch.randint(0, model.config.vocab_size, (2, seq))
             with torch.no_grad():
