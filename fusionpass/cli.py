@@ -76,9 +76,12 @@ def cmd_explain(args) -> int:
 def cmd_bench(args) -> int:
     import fusionpass
     from fusionpass.bench import time_interleaved
+    from fusionpass.explain import fresh_compile_caches
 
     model, ids = _model_and_inputs(args)
     device = _device(args.device)
+    fusionpass.reset_stats()
+    torch._dynamo.reset()
     plain = torch.compile(model)
     fused = torch.compile(model, backend=fusionpass.backend(cpu=device == "cpu"))
     kwargs = {"labels": ids}
@@ -95,12 +98,11 @@ def cmd_bench(args) -> int:
 
         return run
 
-    ms = time_interleaved(
-        {"torch.compile": step(plain), "fusionpass": step(fused)},
-        device,
-        rounds=args.rounds,
-        iters=args.iters,
-    )
+    steps = {"torch.compile": step(plain), "fusionpass": step(fused)}
+    with fresh_compile_caches():  # compile for real, so the match counts below are this model's
+        for run in steps.values():
+            run()
+    ms = time_interleaved(steps, device, rounds=args.rounds, iters=args.iters)
     tokens = args.batch * args.seq
     what = "training step" if args.train else "forward"
     print(f"{args.model} {what}, batch {args.batch} x seq {args.seq}, {args.dtype}, {device}")

@@ -574,3 +574,13 @@ def test_bf16_training_through_backend_name(model, x, monkeypatch):
     got, stats = compile_and_count(model, xb, backend="fusionpass", train=True)
     assert stats == BLOCK_COUNTS
     assert_outcomes_close(got, eager(model, xb, train=True), torch.bfloat16)
+
+
+def test_cli_bench_runs_both_sides(capsys):
+    args = ["bench", "--device", "cpu", "--batch", "1", "--seq", "8", "--width", "512",
+            "--rounds", "1", "--iters", "1"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  torch\.compile +[\d.]+ ms", out, re.MULTILINE), out
+    assert re.search(r"^  fusionpass +[\d.]+ ms", out, re.MULTILINE), out
+    assert "'rms_norm_residual': 5" in out and "'attention': 2" in out
