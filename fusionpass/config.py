@@ -36,6 +36,12 @@ class Config:
     # Inductor on the H200 (benchmarks/results/2026-11-30-h200-rms_norm_residual.md: 1.01x at
     # 2048, 1.06x at 4096). Narrower rows (per-head QK-norm, widths <= 1024) and wider ones
     # (8192 and up) measured 2-15% slower there, so they stay with Inductor.
+    # attention: masks that are causal/all-true AND key padding from a run-time attention_mask
+    # become a torch.cond on one "all true?" check per forward. Off by default: Inductor's cond
+    # lowering crashed Llama-family inference graphs (a stride assertion in the branch when the
+    # query comes from RoPE's cat) and refuses q/k/v that alias one tensor (GPT-2's split), both
+    # seen on CPU with torch 2.13 (tests/patterns/test_attention_masks.py).
+    attention_runtime_check: bool = False
     rms_norm_min_width: int = 2048
     rms_norm_max_width: int = 4096
 
@@ -70,6 +76,9 @@ def from_env(base: Config | None = None, environ=os.environ) -> Config:
         cfg = cfg.replace(fusions=cfg.fusions - frozenset(_split(environ["FUSIONPASS_DISABLE"])))
     if "FUSIONPASS_CPU" in environ:
         cfg = cfg.replace(cpu=environ["FUSIONPASS_CPU"].lower() in ("1", "true", "on", "yes"))
+    if "FUSIONPASS_ATTENTION_RUNTIME_CHECK" in environ:
+        value = environ["FUSIONPASS_ATTENTION_RUNTIME_CHECK"].lower()
+        cfg = cfg.replace(attention_runtime_check=value in ("1", "true", "on", "yes"))
     if "FUSIONPASS_RMS_NORM_MIN_WIDTH" in environ:
         cfg = cfg.replace(rms_norm_min_width=int(environ["FUSIONPASS_RMS_NORM_MIN_WIDTH"]))
     if "FUSIONPASS_RMS_NORM_MAX_WIDTH" in environ:

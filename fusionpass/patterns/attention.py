@@ -8,7 +8,8 @@ Under torch.compile transformers 5.x passes every SDPA call a materialized boole
   - either of those AND key padding from the run-time `attention_mask` -> a branch
     (`torch.cond`) on one check per forward, "is the attention_mask all true": the fast call if
     so, the original masked call otherwise, so any padding stays exact. The check is a host sync,
-    made once for the mask all layers share; it is not made under CUDA graphs.
+    made once for the mask all layers share; it is not made under CUDA graphs. Opt-in
+    (`Config.attention_runtime_check`): Inductor's cond lowering still fails on some graphs.
 Everything else is a near miss with its reason: sliding windows and diagonal offsets need
 fusionpass's own attention kernel.
 """
@@ -112,6 +113,12 @@ def mask_covers_the_scores(m: Match, cfg) -> str | None:
 def run_time_check_allowed(m: Match, cfg) -> str | None:
     if not m.bindings["padding"]:
         return None
+    if not cfg.attention_runtime_check:
+        return (
+            "key padding from a run-time attention_mask; the all-true check (torch.cond) is off "
+            "by default (attention_runtime_check=True / FUSIONPASS_ATTENTION_RUNTIME_CHECK=1 turns "
+            "it on; see fusionpass/config.py for why)"
+        )
     from torch._inductor import config as inductor_config
 
     if inductor_config.triton.cudagraphs:

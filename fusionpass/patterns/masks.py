@@ -152,6 +152,23 @@ def _as_mask(value) -> Conjunction:
     raise Unprovable("AND of a value that is not a proven mask")
 
 
+def _reindexed_mask(node: fx.Node, mask: Conjunction) -> Conjunction:
+    """mask[None, None], mask[:, None]: new size-1 dims in front of the query and key axes leave
+    them where they are (axes count from the right); anything else is not proven."""
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    ndim = g.tensor(node.args[0]).dim()
+    consumed = 0
+    for item in index:
+        if item is None:
+            if consumed > ndim - 2:
+                raise Unprovable("mask indexed with a new dim between its query and key axes")
+        elif item == slice(None):
+            consumed += 1
+        else:
+            raise Unprovable("mask sliced or gathered")
+    return mask
+
+
 def _first_positions(node: fx.Node, src) -> Affine:
     """x[:, :1] (plain slices, each whole or the first position): the value at position 0 of the
     sliced axes, i.e. the affine value without their terms."""
@@ -231,7 +248,7 @@ class MaskAnalysis:
         if t is torch.arange:
             if len(node.args) != 1 or set(node.kwargs) - {"device", "dtype"}:
                 raise Unprovable("arange with start/step")
-            return Affine(((-1, 1),), 0, ((-1, node.args[0]),))
+            return Affine(((-1, 1),), 0, ((-1, g.value(node.args[0])),))
         if t in (operator.add, operator.sub, torch.add, torch.sub, "add", "sub"):
             a, b = (self.value(x) for x in node.args[:2])
             if node.kwargs or not (isinstance(a, Affine) and isinstance(b, Affine)):
@@ -246,6 +263,8 @@ class MaskAnalysis:
             value = self.value(src)
             if isinstance(value, Constant):
                 return value
+            if isinstance(value, Conjunction):
+                return _reindexed_mask(node, value)
             if isinstance(index, tuple) and index and all(isinstance(i, slice) for i in index):
                 return _first_positions(node, value)
             return _index_placement(node, value)

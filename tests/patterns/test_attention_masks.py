@@ -1,0 +1,610 @@
+"""attention: SDPA masks built the way transformers 5.x builds them under torch.compile are proven
+causal / all-true (optionally AND key padding from the run-time attention_mask) and rewritten, with
+exact counts per variant, and the compiled module computes what the eager one computes, forward
+and backward; every other mask is left alone with a near-miss reason.
+
+`sdpa_mask` below is transformers 5.17's `masking_utils.sdpa_mask` as it runs while tracing (its
+`_ignore_causal_mask_sdpa` skip is off under torch.compile, so the mask is always materialized):
+non-vmap expansion, `and_masks` (`new_ones(()) & fn(...).to(device)`), the key-padding lookup
+`padding_mask[batch_idx, kv_idx]`, `.expand(B, -1, Q, KV)`. `test_builder_is_transformers_sdpa_mask`
+checks it against the real one.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import (
+    assert_outcomes_close,
+    compile_and_count,
+    compiling,
+    eager,
+    fused_graph,
+    make_backend,
+    near_misses,
+    run,
+)
+from torch import nn
+from torch._inductor import config as inductor_config
+
+import fusionpass
+
+FUSION = "attention"
+B, H, S, D = 2, 4, 8, 16
+ALL_TRUE = torch.ops.fusionpass.all_true.default
+SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
+
+@pytest.fixture(autouse=True)
+def _run_time_check_on(monkeypatch):
+    """The padded-mask rewrite (torch.cond on one all-true check) is opt-in
+    (Config.attention_runtime_check); these tests exercise it. test_padding_is_a_near_miss_by_default
+    checks the default."""
+    monkeypatch.setenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", "1")
+
+
+
+def counts(**variants) -> dict:
+    return {(FUSION, v): n for v, n in variants.items() if n}
+
+
+class KnownBug(Exception):
+    """Raised by `known_bug` when a reported package bug shows itself with its own message, so
+    that `xfail(strict=True, raises=KnownBug)` fails for any other error and passes once fixed."""
+
+
+@contextlib.contextmanager
+def known_bug(exc_type, text: str):
+    try:
+        yield
+    except exc_type as e:
+        if text in str(e):
+            raise KnownBug(text) from e
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# masks, written as transformers 5.17 writes them (masking_utils)
+
+
+def and_masks(*fns):
+    def and_mask(batch_idx, head_idx, q_idx, kv_idx):
+        result = q_idx.new_ones((), dtype=torch.bool)
+        for fn in fns:
+            result = result & fn(batch_idx, head_idx, q_idx, kv_idx).to(result.device)
+        return result
+
+    return and_mask
+
+
+def causal(batch_idx, head_idx, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def bidirectional(batch_idx, head_idx, q_idx, kv_idx):
+    return q_idx >= 0
+
+
+def sliding_window(window):
+    def overlay(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx > q_idx - window
+
+    return and_masks(overlay, causal)
+
+
+def padding(padding_mask):
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        return padding_mask[batch_idx, kv_idx]
+
+    return inner
+
+
+def causal_where(batch_idx, head_idx, q_idx, kv_idx):
+    """Causal, but through an op the analysis does not know."""
+    return torch.where(kv_idx <= q_idx, True, False)
+
+
+MASK_FUNCTIONS = {
+    "causal": causal,
+    "bidirectional": bidirectional,
+    "sliding_window": sliding_window(3),
+    "where": causal_where,
+}
+
+
+def sdpa_mask(batch_size, q_length, kv_length, mask_function, attention_mask=None, q_offset=0,
+              kv_offset=0, device="cpu"):
+    if attention_mask is not None:
+        mask_function = and_masks(mask_function, padding(attention_mask))
+    batch_arange = torch.arange(batch_size, device=device)
+    head_arange = torch.arange(1, device=device)
+    q_arange = torch.arange(q_length, device=device) + q_offset
+    kv_arange = torch.arange(kv_length, device=device) + kv_offset
+    mask = mask_function(
+        batch_arange[:, None, None, None],
+        head_arange[None, :, None, None],
+        q_arange[None, None, :, None],
+        kv_arange[None, None, None, :],
+    )
+    return mask.expand(batch_size, -1, q_length, kv_length)
+
+
+class Attention(nn.Module):
+    """`layers` SDPA calls sharing one mask (the output of one is the next one's query), the way
+    HF models build the mask once per forward. `attention_mask` is the 2-D [B, KV] int mask of
+    the tokenizer; like `_preprocess_mask_arguments` the module turns it to bool first."""
+
+    def __init__(self, mask="causal", layers=1, dropout=0.0, scale=None, q_offset=0,
+                 positional=False, builder=None):
+        super().__init__()
+        self.mask, self.layers, self.dropout, self.scale = mask, layers, dropout, scale
+        self.q_offset, self.positional, self.builder = q_offset, positional, builder
+
+    def build(self, q, k, attention_mask):
+        padding_mask = None
+        if attention_mask is not None:
+            padding_mask = attention_mask.to(device=q.device, dtype=torch.bool)
+        if self.builder is not None:
+            return self.builder(q, k, padding_mask)
+        return sdpa_mask(
+            q.shape[0], q.shape[-2], k.shape[-2], MASK_FUNCTIONS[self.mask], padding_mask,
+            q_offset=self.q_offset, device=q.device,
+        )
+
+    def forward(self, q, k, v, attention_mask=None):
+        mask = self.build(q, k, attention_mask)
+        dropout = self.dropout if self.training else 0.0
+        out = q
+        for _ in range(self.layers):
+            if self.positional:
+                out = F.scaled_dot_product_attention(out, k, v, mask, dropout, False, scale=self.scale)
+            else:
+                out = F.scaled_dot_product_attention(
+                    out, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale, is_causal=False
+                )
+        return out
+
+
+def qkv(batch=B, q_len=S, kv_len=S):
+    return (
+        torch.randn(batch, H, q_len, D),
+        torch.randn(batch, H, kv_len, D),
+        torch.randn(batch, H, kv_len, D),
+    )
+
+
+def attention_mask(kind, batch=B, length=S):
+    """The tokenizer's [B, S] int mask: all ones, or rows of different lengths padded on the
+    right or on the left (one row unpadded)."""
+    am = torch.ones(batch, length, dtype=torch.long)
+    if kind == "right":
+        am[0, length - 3:] = 0
+    elif kind == "left":
+        am[0, :3] = 0
+    else:
+        assert kind == "ones"
+    return am
+
+
+def inputs_for(padding_kind, **shape):
+    q, k, v = qkv(**shape)
+    if padding_kind is None:
+        return (q, k, v)
+    return (q, k, v, attention_mask(padding_kind, batch=q.shape[0], length=k.shape[-2]))
+
+
+def check(module, inputs, expected, train=False):
+    """Compile with the attention fusion only, assert the counts and near-miss reasons, and
+    compare outputs (and, in training, the gradients of q, k and v) with eager."""
+    module.train(train)
+    got, stats = compile_and_count(module, *inputs, fusions=[FUSION], train=train)
+    assert near_misses() == []
+    assert stats == expected
+    want = eager(module, *inputs, train=train)
+    if train:
+        assert sorted(got.grads) == ["input0", "input1", "input2"]
+    assert_outcomes_close(got, want)
+    return got
+
+
+def assert_miss(module, inputs, reason, n=1, train=False, **config):
+    """The pass leaves the graph alone (fused_graph: pass only, no Inductor) with `reason`, and
+    the graph still computes what eager computes."""
+    module.train(train)
+    gm, out, record = fused_graph(module, *inputs, fusions=[FUSION], **config)
+    assert record.matches == {}
+    assert [m[2] for m in record.near_misses] == [reason] * n, record.near_misses
+    if not train:  # (dropout in training draws other numbers)
+        torch.testing.assert_close(out, module(*inputs), rtol=1e-5, atol=1e-5)
+    return gm
+
+
+def nodes(gm, target):
+    return [n for n in gm.graph.nodes if n.target is target or n.target == target]
+
+
+# ---------------------------------------------------------------------------------------------
+# the builder is transformers' own
+
+
+@pytest.mark.parametrize("fn", ["causal", "bidirectional", "sliding_window"])
+@pytest.mark.parametrize("padding_kind", [None, "right", "left"])
+def test_builder_is_transformers_sdpa_mask(fn, padding_kind):
+    mu = pytest.importorskip("transformers.masking_utils")
+    real = {
+        "causal": mu.causal_mask_function,
+        "bidirectional": mu.bidirectional_mask_function,
+        "sliding_window": mu.sliding_window_causal_mask_function(3),
+    }[fn]
+    pm = None if padding_kind is None else attention_mask(padding_kind).bool()
+    want = mu.sdpa_mask(B, S, S, mask_function=real, attention_mask=pm, allow_is_causal_skip=False)
+    got = sdpa_mask(B, S, S, MASK_FUNCTIONS[fn], pm)
+    assert torch.equal(got, want)
+
+
+def test_transformers_sdpa_mask_itself():
+    """The real transformers function, traced: causal AND key padding, one layer."""
+    mu = pytest.importorskip("transformers.masking_utils")
+
+    def builder(q, k, pm):
+        return mu.sdpa_mask(
+            q.shape[0], q.shape[-2], k.shape[-2], attention_mask=pm, allow_is_causal_skip=False
+        )
+
+    _, _, record = fused_graph(Attention(builder=builder), *inputs_for("right"), fusions=[FUSION])
+    assert record.matches == counts(causal_mask_if_unpadded=1)
+    assert record.near_misses == []
+
+
+# ---------------------------------------------------------------------------------------------
+# proven masks: rewritten, and exact
+
+
+PROVEN = [
+    # (mask function, attention_mask, variant)
+    ("causal", None, "causal_mask"),
+    ("causal", "ones", "causal_mask_if_unpadded"),
+    ("causal", "right", "causal_mask_if_unpadded"),  # the masked branch runs
+    ("causal", "left", "causal_mask_if_unpadded"),  # (with fully masked query rows)
+    ("bidirectional", None, "none_mask"),
+    ("bidirectional", "ones", "none_mask_if_unpadded"),
+    ("bidirectional", "right", "none_mask_if_unpadded"),
+    ("bidirectional", "left", "none_mask_if_unpadded"),
+]
+
+
+@pytest.mark.parametrize(
+    "fn,padding_kind,variant", PROVEN, ids=[f"{f}-{p or 'no_mask'}" for f, p, _ in PROVEN]
+)
+def test_proven_mask_inference(fn, padding_kind, variant):
+    check(Attention(fn), inputs_for(padding_kind), counts(**{variant: 1}))
+
+
+TRAINED = [PROVEN[i] for i in (0, 1, 2, 4, 7)]
+
+
+@pytest.mark.parametrize(
+    "fn,padding_kind,variant", TRAINED, ids=[f"{f}-{p or 'no_mask'}" for f, p, _ in TRAINED]
+)
+def test_proven_mask_training(fn, padding_kind, variant):
+    check(Attention(fn), inputs_for(padding_kind), counts(**{variant: 1}), train=True)
+
+
+def test_scale_and_positional_mask_are_kept():
+    """SDPA called positionally (mask, dropout_p, is_causal) with a scale: the rewrite keeps the
+    scale (outputs equal eager) for both the plain and the branched form."""
+    check(Attention("causal", scale=0.3, positional=True), inputs_for(None), counts(causal_mask=1))
+    check(
+        Attention("bidirectional", scale=0.3, positional=True),
+        inputs_for("right"),
+        counts(none_mask_if_unpadded=1),
+    )
+
+
+def test_dynamic_causal():
+    """dynamic=True: the index lengths and the q/k lengths are the same symbol, so the shape
+    guard still proves them equal; one graph serves other sequence lengths."""
+    module = Attention("causal").eval()
+    with compiling():
+        compiled = torch.compile(module, backend=make_backend([FUSION]), dynamic=True, fullgraph=True)
+        for seq in (8, 13, 5):
+            inputs = inputs_for(None, q_len=seq, kv_len=seq)
+            assert_outcomes_close(run(compiled, module, inputs), eager(module, *inputs))
+        assert near_misses() == [], near_misses()
+        assert fusionpass.stats(variants=True) == counts(causal_mask=1)  # no recompile
+
+
+def test_dynamic_causal_with_padding():
+    module = Attention("causal").eval()
+    with compiling():
+        compiled = torch.compile(module, backend=make_backend([FUSION]), dynamic=True, fullgraph=True)
+        for seq, kind in ((8, "ones"), (11, "right"), (6, "ones")):
+            inputs = inputs_for(kind, q_len=seq, kv_len=seq)
+            assert_outcomes_close(run(compiled, module, inputs), eager(module, *inputs))
+        assert near_misses() == [], near_misses()
+        assert fusionpass.stats(variants=True) == counts(causal_mask_if_unpadded=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the graph after the rewrite
+
+
+def test_mask_nodes_are_gone_without_padding():
+    """Two layers share one causal mask: both become is_causal=True SDPA without a mask, and the
+    nodes that built the mask (aranges placed on the axes, comparison, AND, expand) are erased
+    once the last layer is rewritten. (Dynamo leaves the unused batch and head aranges in its
+    graph already, without users.)"""
+    gm, _, record = fused_graph(Attention("causal", layers=2), *inputs_for(None), fusions=[FUSION])
+    assert record.matches == counts(causal_mask=2)
+    sdpas = [n for n in gm.graph.nodes if n.target in SDPA_TARGETS]
+    assert len(sdpas) == 2
+    for n in sdpas:
+        assert n.kwargs.get("is_causal") is True and n.kwargs.get("attn_mask") is None
+        assert len(n.args) == 3
+    rest = [
+        n for n in gm.graph.nodes
+        if n.op in ("call_function", "call_method") and n.target not in SDPA_TARGETS
+    ]
+    assert all(not n.users for n in rest), [n.format_node() for n in rest]
+    assert all(n.target is torch.arange for n in rest), [n.format_node() for n in rest]
+    assert nodes(gm, operator.le) == [] and nodes(gm, "expand") == [] and nodes(gm, "new_ones") == []
+
+
+def test_all_true_once_for_layers_sharing_a_mask():
+    """Two layers share one padded mask: one fusionpass::all_true (the host sync) for both, two
+    torch.cond, each reading that flag; the mask itself stays for the masked branches."""
+    module = Attention("causal", layers=2)
+    inputs = inputs_for("ones")
+    gm, out, record = fused_graph(module, *inputs, fusions=[FUSION])
+    assert record.matches == counts(causal_mask_if_unpadded=2)
+    (flag,) = nodes(gm, ALL_TRUE)
+    conds = nodes(gm, torch.ops.higher_order.cond)
+    assert len(conds) == 2 and all(c.args[0] is flag for c in conds)
+    assert [n for n in gm.graph.nodes if n.target in SDPA_TARGETS] == []
+    assert len(nodes(gm, "expand")) == 1
+    torch.testing.assert_close(out, module(*inputs), rtol=1e-5, atol=1e-5)
+    # the same graph with padding: the masked branches run
+    padded = inputs_for("right")
+    _, out, record = fused_graph(module, *padded, fusions=[FUSION])
+    assert record.matches == counts(causal_mask_if_unpadded=2)
+    torch.testing.assert_close(out, module(*padded), rtol=1e-5, atol=1e-5)
+
+
+def test_two_layers_compiled_training():
+    check(
+        Attention("causal", layers=2), inputs_for("left"), counts(causal_mask_if_unpadded=2),
+        train=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# near misses
+
+
+WINDOW = "sliding-window mask: needs fusionpass's attention kernel (not built yet)"
+
+
+def test_sliding_window():
+    assert_miss(Attention("sliding_window", layers=2), inputs_for(None), WINDOW, n=2)
+
+
+def test_sliding_window_with_padding():
+    assert_miss(
+        Attention("sliding_window"),
+        inputs_for("right"),
+        "sliding-window mask with key padding from a run-time tensor: "
+        "needs fusionpass's attention kernel (not built yet)",
+    )
+
+
+def test_causal_with_query_offset():
+    """Queries are the last 4 of 8 positions (q_idx = arange(4) + 4, kv_idx = arange(8)):
+    bottom-right causal, which SDPA's top-left is_causal is not."""
+    assert_miss(
+        Attention("causal", q_offset=4),
+        inputs_for(None, q_len=4, kv_len=8),
+        "causal mask with diagonal offset 4: query and key positions are offset (bottom-right "
+        "causal) while SDPA's is_causal is top-left; needs fusionpass's attention kernel "
+        "(not built yet)",
+    )
+
+
+def test_causal_with_fewer_queries_than_keys():
+    """kv <= q with 4 queries and 8 keys (no offset): causal by its constraints, but is_causal
+    on a 4x8 score matrix is not the same mask size; the shape guard refuses."""
+    assert_miss(
+        Attention("causal"),
+        inputs_for(None, q_len=4, kv_len=8),
+        "shape: query length 4 != key length 8: SDPA's is_causal would align top-left",
+    )
+
+
+def test_additive_float_mask():
+    def builder(q, k, pm):
+        allowed = sdpa_mask(q.shape[0], q.shape[-2], k.shape[-2], causal, pm)
+        return torch.where(allowed, 0.0, torch.finfo(q.dtype).min)
+
+    assert_miss(
+        Attention(builder=builder),
+        inputs_for(None),
+        "attention mask of dtype torch.float32 (an additive bias)",
+    )
+
+
+def test_unknown_op():
+    assert_miss(Attention("where"), inputs_for(None), "mask not provable: mask built with `where`")
+
+
+def test_index_vector_shorter_than_queries():
+    """The query index vector has length 1 (a [B, 1, 1, KV] mask broadcast over 8 queries):
+    kv <= 0 is not a causal mask of the scores; the shape guard compares the index lengths."""
+
+    def builder(q, k, pm):
+        return sdpa_mask(q.shape[0], 1, k.shape[-2], causal, pm)
+
+    assert_miss(
+        Attention(builder=builder),
+        inputs_for(None),
+        "shape: mask index length 1 differs from the attention length 8",
+    )
+
+
+def test_sliced_mask():
+    """A mask built for longer sequences and sliced to the scores: not a rewrite we prove; it
+    stays a near miss, and never fails the compile."""
+
+    def builder(q, k, pm):
+        mask = sdpa_mask(q.shape[0], q.shape[-2] + 2, k.shape[-2] + 2, causal)
+        return mask[:, :, : q.shape[-2], : k.shape[-2]]
+
+    module = Attention(builder=builder)
+    inputs = inputs_for(None)
+    _, out, record = fused_graph(module, *inputs, fusions=[FUSION])
+    assert record.matches == {}
+    assert len(record.near_misses) == 1
+    assert record.near_misses[0][2].startswith("mask not provable: ")
+    torch.testing.assert_close(out, module(*inputs))
+
+
+@pytest.mark.parametrize("spelling", ["2d_none_none", "3d_colon_none"])
+def test_mask_unsqueezed_by_indexing(spelling):
+    """A causal mask built on [Q, KV] (or [1, Q, KV]) and given its batch/head axes by indexing
+    with None: causal_mask (or at least a near miss), never a failed compile."""
+
+    def builder(q, k, pm):
+        sq, skv = q.shape[-2], k.shape[-2]
+        if spelling == "2d_none_none":
+            return (torch.arange(skv)[None, :] <= torch.arange(sq)[:, None])[None, None, :, :]
+        return (torch.arange(skv)[None, None, :] <= torch.arange(sq)[None, :, None])[:, None]
+
+    module = Attention(builder=builder)
+    inputs = inputs_for(None)
+    _, out, record = fused_graph(module, *inputs, fusions=[FUSION])
+    assert record.matches == counts(causal_mask=1)
+    torch.testing.assert_close(out, module(*inputs), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# dropout and CUDA graphs: the run-time branch is not allowed
+
+
+def test_dropout_with_padding_in_training():
+    """torch.cond's backward would re-run the branch and draw another dropout mask."""
+    assert_miss(
+        Attention("causal", dropout=0.1),
+        inputs_for("ones"),
+        "run_time_check: attention dropout 0.1 inside a run-time branch: its backward would "
+        "re-draw the mask",
+        train=True,
+    )
+
+
+def test_dropout_with_padding_in_eval():
+    """In eval the module passes dropout_p=0.0: the branch is allowed."""
+    check(Attention("causal", dropout=0.1), inputs_for("right"), counts(causal_mask_if_unpadded=1))
+
+
+def test_dropout_without_padding_is_rewritten():
+    """No run-time branch, so dropout is fine: is_causal=True SDPA with the same dropout_p."""
+    module = Attention("causal", dropout=0.5).train()
+    inputs = inputs_for(None)
+    gm, _, record = fused_graph(module, *inputs, fusions=[FUSION])
+    assert record.matches == counts(causal_mask=1)
+    (sdpa,) = [n for n in gm.graph.nodes if n.target in SDPA_TARGETS]
+    assert sdpa.kwargs["dropout_p"] == 0.5 and sdpa.kwargs["is_causal"] is True
+    got, stats = compile_and_count(module, *inputs, fusions=[FUSION], train=True)
+    assert stats == counts(causal_mask=1)
+    assert near_misses() == []
+    # (dropout draws differ from eager's; what can be checked: finite, and the loss flows)
+    assert all(torch.isfinite(t).all() for t in got.outputs)
+    assert sorted(got.grads) == ["input0", "input1", "input2"]
+    assert all(torch.isfinite(g).all() for g in got.grads.values())
+
+
+def test_cuda_graphs_forbid_the_check():
+    msg = (
+        "run_time_check: the all-true check of attention_mask is a host sync, not allowed under "
+        "CUDA graphs"
+    )
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        assert_miss(Attention("causal", layers=2), inputs_for("ones"), msg, n=2)
+        # no run-time check needed: still rewritten
+        _, _, record = fused_graph(Attention("causal"), *inputs_for(None), fusions=[FUSION])
+        assert record.matches == counts(causal_mask=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# query, key and value that alias each other (one tensor, or views of one projection)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=KnownBug,
+    reason="BUG: patterns/attention.py replace() passes (query, key, value, mask) to "
+    "torch.ops.higher_order.cond as they are; when they alias each other (the same tensor, or "
+    "GPT-2's c_attn(...).split() views) the compile fails: 'cond_true might be aliasing the input "
+    "or the output!'",
+)
+@pytest.mark.parametrize("how", ["same_tensor", "split_views"])
+def test_aliasing_qkv_with_padding(how):
+    class SelfAttention(nn.Module):
+        def forward(self, x, am):
+            b, s, _ = x.shape
+            if how == "same_tensor":
+                q = k = v = x.view(b, s, H, D).transpose(1, 2)
+            else:
+                q, k, v = (t.view(b, s, H, D).transpose(1, 2) for t in x.split(H * D, dim=2))
+            mask = sdpa_mask(b, s, s, causal, am.bool())
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    width = H * D if how == "same_tensor" else 3 * H * D
+    module = SelfAttention()
+    inputs = (torch.randn(B, S, width), attention_mask("right"))
+    with known_bug(torch._dynamo.exc.BackendCompilerFailed, "might be aliasing the input"):
+        got, stats = compile_and_count(module, *inputs, fusions=[FUSION])
+    assert stats == counts(causal_mask_if_unpadded=1)
+    assert_outcomes_close(got, eager(module, *inputs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Inductor and the branch's operand strides
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=KnownBug,
+    reason="BUG (Inductor's torch.cond lowering, inherited by the rewrite): in inference, a "
+    "query computed by Inductor from a transposed view through cat (RoPE's rotate_half) reaches "
+    "the compiled branch with other strides than it was compiled for: 'expected size 4==4, "
+    "stride 128==16 at dim=1' at run time. Plain torch.cond fails the same way; every "
+    "Llama-family HF model with an attention_mask fails so in inference",
+)
+def test_rotary_query_with_padding_inference():
+    class Rotary(nn.Module):
+        def forward(self, x, am):
+            b, s, _, d = x.shape
+            q = x.transpose(1, 2)
+            q = q * 0.5 + torch.cat((-q[..., d // 2:], q[..., : d // 2]), dim=-1) * 0.3
+            mask = sdpa_mask(b, s, s, causal, am.bool())
+            return F.scaled_dot_product_attention(q, q * 2, q + 1, attn_mask=mask)
+
+    module = Rotary()
+    inputs = (torch.randn(B, S, H, D), attention_mask("ones"))
+    with known_bug(AssertionError, "expected size 4==4, stride 128==16 at dim=1"):
+        got, stats = compile_and_count(module, *inputs, fusions=[FUSION])
+    assert stats == counts(causal_mask_if_unpadded=1)
+    assert_outcomes_close(got, eager(module, *inputs))
+
+
+def test_padding_is_a_near_miss_by_default(monkeypatch):
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK")
+    module = Attention("causal").eval()
+    inputs = inputs_for("ones")
+    _, out, record = fused_graph(module, *inputs, fusions=[FUSION])
+    assert record.matches == {}
+    ((fusion, _, reason),) = record.near_misses
+    assert fusion == FUSION and reason.startswith("run_time_check: key padding from a run-time")
+    assert "off by default" in reason
+    torch.testing.assert_close(out, module(*inputs))
