@@ -12,17 +12,28 @@ only difference is ROUND_BITS (see `_round`).
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from fusionpass.kernels.common import (
+    _FLOAT_DTYPES,
+    _TILE,
+    _as_2d,
+    _device_guard,
+    _for_store,
+    _fwd_chunk,
+    _l2_programs_per_sm,
+    _launcher,
+    _persistent_grid,
+    _round,
+    _warps_fwd,
+)
+
 __all__ = ["rms_norm_fwd", "rms_norm_bwd"]
 
 # Forward rows up to this width can be held in registers (see _fwd_chunk).
-MAX_ONE_PASS_FWD = 16384
 # Backward rows whose next power of two is at most this stay in registers, one row (or a tile of
 # rows) per program; longer rows loop over chunks of _CHUNK columns. With the warps below, ptxas for
 # sm_90 gives every variant <= 102 registers per thread and no spills; a 16384 backward row would.
@@ -30,30 +41,8 @@ MAX_FUSED_BWD = 8192
 _CHUNK = 4096
 # Forward tiles, and backward tiles of small rows (q/k-norm over head_dim): this many elements, a
 # tile of several short rows or a chunk of a long one.
-_TILE = 2048
 # The backward is persistent; more programs per SM than this only grows the dweight partials.
 _MAX_PROGRAMS_PER_SM = 4
-
-
-def _warps_fwd(tile: int, one_pass: bool) -> int:
-    # Two passes over 2048-element chunks: 16 warps measured fastest at 16384x4096 bf16 (H200:
-    # 0.127 ms with 16, 0.131 with 8, 0.139 with 4). One pass: ~8-16 elements per thread.
-    if not one_pass:
-        return 16
-    if tile >= 16384:
-        return 32
-    if tile >= 8192:
-        return 16
-    return 8 if tile >= 2048 else 4
-
-
-def _fwd_chunk(n: int) -> int:
-    """Columns per chunk: the whole row (one pass in registers) except where two passes over
-    2048-column chunks measured faster on the H200 (rows of 2049..4096) or rows exceed registers."""
-    width = triton.next_power_of_2(n)
-    if width <= _TILE or (2 * _TILE < width <= MAX_ONE_PASS_FWD):
-        return width
-    return _TILE
 
 
 def _warps_bwd(tile: int) -> int:
@@ -71,46 +60,6 @@ def _warps_bwd(tile: int) -> int:
 # --------------------------------------------------------------------------------------------------
 # Rounding helpers
 # --------------------------------------------------------------------------------------------------
-@triton.jit
-def _rne_bf16(x):
-    # fp32 -> nearest-even bf16 value, kept in fp32. The interpreter's own fp32->bf16 cast truncates,
-    # and h feeds the statistics, so it has to be exact there. (A NaN with a small payload may come
-    # out as inf; only the interpreter path uses this.)
-    b = x.to(tl.uint32, bitcast=True)
-    b = b + 0x7FFF + ((b >> 16) & 1)
-    b = (b >> 16) << 16
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round(x, DT: tl.constexpr, ROUND_BITS: tl.constexpr):
-    """x (fp32) rounded to dtype DT, returned as fp32."""
-    if DT == tl.float32:
-        out = x
-    elif DT == tl.bfloat16:
-        if ROUND_BITS:
-            out = _rne_bf16(x)
-        else:
-            out = x.to(tl.bfloat16).to(tl.float32)
-    else:
-        out = x.to(DT).to(tl.float32)
-    return out
-
-
-@triton.jit
-def _for_store(x, DT: tl.constexpr, ROUND_BITS: tl.constexpr):
-    """fp32 value ready for tl.store into DT: the store's implicit cast rounds to nearest even on
-    the GPU (and numpy's fp16 cast does too), but truncates bf16 under the interpreter."""
-    if DT == tl.bfloat16:
-        if ROUND_BITS:
-            out = _rne_bf16(x)
-        else:
-            out = x
-    else:
-        out = x
-    return out
-
-
 # --------------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------------
@@ -338,47 +287,12 @@ def _dw_reduce_kernel(P, DW, G, N, ROUND_BITS: tl.constexpr, BLOCK_G: tl.constex
 # --------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_props(index: int):
-    p = torch.cuda.get_device_properties(index)
-    return (p.multi_processor_count, p.L2_cache_size, p.max_threads_per_multi_processor,
-            p.shared_memory_per_multiprocessor)
 
 
 def _programs_per_sm(num_warps: int) -> int:
     # Every variant compiles to <= 102 registers per thread for sm_90 (see MAX_FUSED_*), so the
     # thread count bounds residency: 2048 threads per SM = 64 warps.
     return max(1, 64 // num_warps)
-
-
-def _launcher(kernel, t: torch.Tensor):
-    """The kernel as a CUDA launch that torch.compile can trace into (`wrap_triton`: Inductor then
-    launches it from its generated code, without custom-op dispatch), or as is on CPU tensors, where
-    it runs under the Triton interpreter."""
-    if t.device.type == "cuda":
-        from torch.library import wrap_triton
-
-        return wrap_triton(kernel)
-    return kernel
-
-
-def _device_guard(device: torch.device):
-    # Triton launches on the current CUDA device, not on the tensors' one.
-    if device.type == "cuda" and device.index is not None:
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
-
-
-def _as_2d(t: torch.Tensor, n: int) -> torch.Tensor:
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    t2 = t.reshape(-1, n)
-    if t2.stride(-1) != 1:
-        t2 = t2.contiguous()
-    return t2
 
 
 def _check_weight(weight, n, device):
@@ -401,27 +315,6 @@ def _row_tile(n: int) -> tuple[int, int]:
 
 def _chunk(max_fused: int) -> int:
     return min(_CHUNK, triton.next_power_of_2(max_fused))
-
-
-def _l2_programs_per_sm(device: torch.device, row_bytes: int) -> int:
-    # Rows in flight in the chunked path must stay in (half of) L2 until their second pass.
-    sms, l2, _, _ = _cuda_props(device.index or 0)
-    return max(1, min(_MAX_PROGRAMS_PER_SM, (l2 // 2) // max(1, sms * row_bytes)))
-
-
-def _persistent_grid(num_warps: int, device: torch.device, work, num_programs: int | None,
-                     per_sm_cap: int = _MAX_PROGRAMS_PER_SM) -> int:
-    """Size of a persistent grid over `work` row tiles: as many programs as fit on the GPU in one
-    wave (at most per_sm_cap per SM); a few on CPU, where the interpreter runs them one by one.
-    A symbolic `work` (torch.compile with dynamic shapes) gets the full wave: idle programs only
-    write zero dweight partials."""
-    if num_programs is not None:
-        cap = int(num_programs)
-    elif device.type != "cuda":
-        cap = 4
-    else:
-        cap = _cuda_props(device.index or 0)[0] * min(per_sm_cap, _programs_per_sm(num_warps))
-    return max(1, min(cap, work)) if isinstance(work, int) else cap
 
 
 def rms_norm_fwd(
@@ -562,7 +455,8 @@ def _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, n
         block_m, block_n = _row_tile(n)
         warps = _warps_bwd(block_m * block_n)
         consts = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n)
-        grid = _persistent_grid(warps, h.device, triton.cdiv(m, block_m), num_programs)
+        per_sm = min(_MAX_PROGRAMS_PER_SM, _programs_per_sm(warps))
+        grid = _persistent_grid(per_sm, h.device, triton.cdiv(m, block_m), num_programs)
         dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else dummy
         _launcher(_bwd_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
     else:
@@ -570,8 +464,8 @@ def _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, n
         consts = dict(flags, BLOCK_N=block_n)
         warps = _warps_bwd(block_n)
         row_bytes = n * (dy.element_size() + h.element_size() + 4 + (dh.element_size() if dh is not None else 0))
-        cap = _l2_programs_per_sm(h.device, row_bytes) if h.device.type == "cuda" else 1
-        grid = _persistent_grid(warps, h.device, m, num_programs, cap)
+        cap = _l2_programs_per_sm(h.device, row_bytes, _MAX_PROGRAMS_PER_SM) if h.device.type == "cuda" else 1
+        grid = _persistent_grid(min(cap, _programs_per_sm(warps)), h.device, m, num_programs)
         dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else dummy
         _launcher(_bwd_chunked_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
 

@@ -1,0 +1,748 @@
+"""Triton kernels for LayerNorm with a fused dropout and residual add (`layer_norm_dropout_residual`).
+
+Forward:   d = dropout(x, p)               keep ? round(x * s) : 0,  s = fp32(1 / fp32(1 - p))
+           h = round(d + residual)         (or h = d; h = x itself when p == 0 and no residual)
+           mean, var = row mean and biased variance of h in fp32;  rstd = 1 / sqrt(var + eps)
+           y = round((h - mean) * rstd * w + b)
+Backward:  xhat = (h - mean) * rstd,  g = dy * w
+           dh_total = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dh
+           dresidual = round(dh_total);  dx = keep ? round(dresidual * s) : 0
+           dweight = sum_rows dy * xhat,  dbias = sum_rows dy   (fp32 partials, no atomics)
+`round` is to the input dtype, as the model does (BERT/RoBERTa/GPT-2/... compute
+`LayerNorm(dropout(x) + residual)` with bf16 tensors in between; F.layer_norm and F.dropout compute
+in fp32 and round once). The scale and the keep test follow ATen's CUDA dropout.
+
+Dropout RNG (no mask tensor is ever stored)
+-------------------------------------------
+Element (row, col) of the [M, N] view is kept iff  u32 >= round(p * 2**32), where u32 is output
+`col % 4` of Philox4x32-10 (triton's `tl.philox_impl`, the generator behind `tl.rand`) with
+    key     = (seed mod 2**64) as two 32-bit words
+    counter = (col // 4, row, offset mod 2**64 as two 32-bit words).
+Hence the keep probability is 1 - round(p * 2**32) / 2**32 (p to within 2**-32). One Philox call
+serves 4 neighbouring columns (tl.rand makes one call per element): for sm_90 the dropout adds
+~27 instructions per element (ptxas, bf16 forward, 2048-wide rows), next to ~50 for the rest of the
+kernel. (A 16-bit test, 8 columns per call, saved only ~7 of them and, for fp32 and the chunked
+paths, added shared-memory layout conversions.) The mask is
+a function of (seed, offset, row, col) only: forward and backward, every tile shape and every
+launcher knob regenerate the same bits, and `dropout_mask` (for tests) runs the same code.
+Different (seed, offset) pairs give independent streams (the offset is a counter word, so calls
+whose offsets differ by 1 do not overlap). The caller must pass a fresh seed per call -- e.g.
+`torch.randint(2**62, (1,), device=...)`, drawn from torch's generator -- or a per-layer offset,
+or every layer and every step drops the same elements. Inside traced code (torch.compile, a
+triton_op) pass the seed as a one-element int64 tensor: the kernels load it on the device, while a
+Python int would be baked into the compiled graph as a constant.
+
+Every kernel runs compiled on CUDA and unchanged under TRITON_INTERPRET=1 on CPU tensors; the only
+difference is ROUND_BITS (see `_round`).
+"""
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from fusionpass.kernels.common import (
+    _FLOAT_DTYPES,
+    _TILE,
+    _as_2d,
+    _device_guard,
+    _for_store,
+    _fwd_chunk,
+    _l2_programs_per_sm,
+    _launcher,
+    _persistent_grid,
+    _round,
+    _warps_fwd,
+)
+
+__all__ = ["dropout_mask", "layer_norm_bwd", "layer_norm_fwd"]
+
+# Forward rows up to this width are held in registers (see _fwd_chunk).
+# Backward rows whose next power of two is at most this stay in registers, one row (or a tile of
+# rows) per program; longer rows loop over chunks of _CHUNK columns. With dropout, an 8192 row
+# spills for sm_90 (32 warps cap a thread at 64 registers; 16 warps need more than 128), so those
+# rows take the chunked path from 4097 columns on.
+MAX_FUSED_BWD = 8192
+MAX_FUSED_BWD_DROPOUT = 4096
+# Registers per thread of the backward kernels for sm_90 (ptxas, every flag combination and dtype:
+# 59..116, the most with dropout, dh, dweight, dbias and dresidual): residency of a persistent
+# program. 4/8/16/32 warps -> 4/2/1/1 programs per SM.
+_BWD_REGS = 116
+_CHUNK = 4096
+# Forward tiles, and backward tiles of small rows: this many elements, a tile of several short rows
+# or a chunk of a long one.
+# The backward is persistent; more programs per SM than this only grows the dweight partials.
+_MAX_PROGRAMS_PER_SM = 4
+# Philox rounds (Philox4x32-10, as tl.rand and cuRAND).
+_N_ROUNDS = tl.constexpr(10)
+# Random words per Philox call: one call covers this many neighbouring columns.
+_RNG_GROUP = 4
+# Runtime RNG arguments: never specialized (a fresh seed per call must not recompile the kernel).
+_RNG_ARGS = ["seed_lo", "seed_hi", "off_lo", "off_hi", "thr"]
+
+
+def _warps_bwd(tile: int) -> int:
+    # ~8 elements per thread: the backward holds dy, h, dh, w, the dweight/dbias partials and the
+    # Philox words at once.
+    if tile >= 8192:
+        return 32
+    if tile >= 4096:
+        return 16
+    if tile >= 2048:
+        return 8
+    return 4
+
+
+# --------------------------------------------------------------------------------------------------
+# Rounding helpers (as in rms_norm.py)
+# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Dropout RNG
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR: tl.constexpr):
+    """(k0, k1, o0, o1, threshold) as uint32 scalars. The 32-bit words arrive as int32 (always the
+    same kernel signature), the seed optionally as an int64 in device memory."""
+    if SEED_PTR:
+        s = tl.load(SEED)
+        k0 = (s & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    else:
+        k0 = tl.cast(seed_lo, tl.int32).to(tl.uint32, bitcast=True)
+        k1 = tl.cast(seed_hi, tl.int32).to(tl.uint32, bitcast=True)
+    o0 = tl.cast(off_lo, tl.int32).to(tl.uint32, bitcast=True)
+    o1 = tl.cast(off_hi, tl.int32).to(tl.uint32, bitcast=True)
+    t = tl.cast(thr, tl.int32).to(tl.uint32, bitcast=True)
+    return k0, k1, o0, o1, t
+
+
+@triton.jit
+def _keep(k0, k1, o0, o1, thr, rows, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep mask [BLOCK_M, BLOCK_N] of rows `rows` ([BLOCK_M] int32) and columns col0 + [0, BLOCK_N)
+    (col0 a multiple of 4). One Philox4x32 call per 4 neighbouring columns: counter
+    (col // 4, row, o0, o1), key (k0, k1); its output i decides column 4 * (col // 4) + i."""
+    G: tl.constexpr = BLOCK_N // 4
+    zero = tl.zeros([BLOCK_M, G], dtype=tl.uint32)
+    c0 = zero + ((col0 // 4) + tl.arange(0, G)).to(tl.uint32)[None, :]
+    c1 = zero + rows.to(tl.uint32, bitcast=True)[:, None]
+    c2 = zero + o0
+    c3 = zero + o1
+    r0, r1, r2, r3 = tl.philox_impl(c0, c1, c2, c3, k0, k1, _N_ROUNDS)
+    # [M, G, 2, 2] with (j, s) = (0, 0) -> r0, (0, 1) -> r1, (1, 0) -> r2, (1, 1) -> r3; row-major
+    # reshape puts column 4g + 2j + s = 4g + i on output i.
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK_M, BLOCK_N])
+    return r >= thr
+
+
+@triton.jit
+def _mask_kernel(
+    OUT, SEED, M, N, stride_o, seed_lo, seed_hi, off_lo, off_hi, thr,
+    SEED_PTR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # The keep mask as int8, for tests: the same _keep the forward and backward call.
+    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col0 = tl.program_id(1) * BLOCK_N
+    c = col0 + tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < M)[:, None] & (c < N)
+    keep = _keep(k0, k1, o0, o1, t, rows, col0, BLOCK_M, BLOCK_N)
+    tl.store(OUT + rows.to(tl.int64)[:, None] * stride_o + c, keep.to(tl.int8), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=_RNG_ARGS)
+def _fwd_kernel(
+    X, R, W, B, Y, H, MEAN, RSTD, SEED,
+    M, N, stride_x, stride_r, stride_y, stride_h,
+    eps, scale, seed_lo, seed_hi, off_lo, off_hi, thr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, STORE_H: tl.constexpr, REREAD_H: tl.constexpr,
+    ROUND_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+):
+    # torch.compile passes Python floats as fp64 scalars; the math is fp32.
+    eps = tl.cast(eps, tl.float32)
+    scale = tl.cast(scale, tl.float32)
+    # [BLOCK_M, BLOCK_N] tiles. A row that fits one chunk (ONE_PASS) stays in registers: one read,
+    # one write. Longer rows take two passes: pass 1 builds h, writes it (when h is an output) and
+    # folds each chunk's mean and M2 into the row's (Chan et al.; stable where sum/sum-of-squares is
+    # not), pass 2 re-reads h (REREAD_H: from L2, h being just written or x itself) or rebuilds it
+    # from x and residual (when h is not stored), and writes y.
+    IN_DT: tl.constexpr = X.dtype.element_ty
+    OUT_DT: tl.constexpr = Y.dtype.element_ty
+    if DROPOUT:
+        k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
+    else:
+        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    roff = rows.to(tl.int64)[:, None]
+
+    if ONE_PASS:
+        c = cols[None, :]
+        mask = row_ok[:, None] & (c < N)
+        h = _load_h(X, R, roff, rows, 0, c, mask, stride_x, stride_r, scale, k0, k1, o0, o1, t,
+                    HAS_RESIDUAL, DROPOUT, IN_DT, ROUND_BITS, BLOCK_M, BLOCK_N, "evict_first")
+        if STORE_H:
+            tl.store(H + roff * stride_h + c, h, mask=mask)
+        mean = tl.sum(h, axis=1) / N
+        xc = tl.where(mask, h - mean[:, None], 0.0)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(xc * xc, axis=1) / N + eps))
+        tl.store(MEAN + rows, mean, mask=row_ok)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        y = xc * rstd[:, None]
+        # weight and bias as [BLOCK_N] vectors: loaded as [1, BLOCK_N] tiles they get a layout of
+        # their own when BLOCK_M > 1, and y would round-trip through shared memory to meet it.
+        if HAS_WEIGHT:
+            y = y * tl.load(W + cols, mask=cols < N, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(B + cols, mask=cols < N, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
+        tl.store(Y + roff * stride_y + c, _for_store(y, OUT_DT, ROUND_BITS), mask=mask)
+    else:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for c0 in range(0, N, BLOCK_N):
+            c = c0 + cols[None, :]
+            mask = row_ok[:, None] & (c < N)
+            if STORE_H:
+                # pass 2 reads h back: x and residual are done with
+                h = _load_h(X, R, roff, rows, c0, c, mask, stride_x, stride_r, scale, k0, k1, o0, o1, t,
+                            HAS_RESIDUAL, DROPOUT, IN_DT, ROUND_BITS, BLOCK_M, BLOCK_N, "evict_first")
+                tl.store(H + roff * stride_h + c, h, mask=mask, eviction_policy="evict_last")
+            else:
+                h = _load_h(X, R, roff, rows, c0, c, mask, stride_x, stride_r, scale, k0, k1, o0, o1, t,
+                            HAS_RESIDUAL, DROPOUT, IN_DT, ROUND_BITS, BLOCK_M, BLOCK_N, "evict_last")
+            n_old = tl.cast(c0, tl.float32)
+            cnt = tl.cast(tl.minimum(N - c0, BLOCK_N), tl.float32)
+            n_new = n_old + cnt
+            cmean = tl.sum(h, axis=1) / cnt
+            d = tl.where(mask, h - cmean[:, None], 0.0)
+            delta = cmean - mean
+            mean += delta * (cnt / n_new)
+            m2 += tl.sum(d * d, axis=1) + delta * delta * (n_old * cnt / n_new)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(m2 / N + eps))
+        tl.store(MEAN + rows, mean, mask=row_ok)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        for c0 in range(0, N, BLOCK_N):
+            c = c0 + cols[None, :]
+            mask = row_ok[:, None] & (c < N)
+            if REREAD_H:
+                h = tl.load(H + roff * stride_h + c, mask=mask, other=0.0, eviction_policy="evict_first")
+                h = h.to(tl.float32)
+            else:
+                h = _load_h(X, R, roff, rows, c0, c, mask, stride_x, stride_r, scale, k0, k1, o0, o1, t,
+                            HAS_RESIDUAL, DROPOUT, IN_DT, ROUND_BITS, BLOCK_M, BLOCK_N, "evict_first")
+            _fwd_store_y(h - mean[:, None], rstd, W, B, Y, roff, c, mask, N, stride_y,
+                         HAS_WEIGHT, HAS_BIAS, OUT_DT, ROUND_BITS)
+
+
+@triton.jit
+def _load_h(X, R, roff, rows, c0, c, mask, stride_x, stride_r, scale, k0, k1, o0, o1, t,
+            HAS_RESIDUAL: tl.constexpr, DROPOUT: tl.constexpr, IN_DT: tl.constexpr,
+            ROUND_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
+    """h = round(dropout(x)) (+ r, rounded) in fp32, as the model computes it in the input dtype."""
+    h = tl.load(X + roff * stride_x + c, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    if DROPOUT:
+        keep = _keep(k0, k1, o0, o1, t, rows, c0, BLOCK_M, BLOCK_N)
+        h = tl.where(keep, _round(h * scale, IN_DT, ROUND_BITS), 0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + roff * stride_r + c, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        h = _round(h + r, IN_DT, ROUND_BITS)
+    return h
+
+
+@triton.jit
+def _fwd_store_y(xc, rstd, W, B, Y, roff, c, mask, N, stride_y,
+                 HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_DT: tl.constexpr,
+                 ROUND_BITS: tl.constexpr):
+    y = xc * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(W + c, mask=c < N, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(B + c, mask=c < N, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    tl.store(Y + roff * stride_y + c, _for_store(y, OUT_DT, ROUND_BITS), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_grads(dt, rows, c0, DX, DR, roff, c, mask, stride_dx, stride_dr, scale, k0, k1, o0, o1, t,
+               DROPOUT: tl.constexpr, STORE_DR: tl.constexpr, IN_DT: tl.constexpr, DX_DT: tl.constexpr,
+               ROUND_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store dx (and dresidual) from dh_total (fp32). Autograd rounds the gradient of h (= of d and
+    of residual) to the input dtype before dropout's backward scales it."""
+    if DROPOUT:
+        dr = _round(dt, IN_DT, ROUND_BITS)
+        if STORE_DR:
+            tl.store(DR + roff * stride_dr + c, dr, mask=mask)
+        keep = _keep(k0, k1, o0, o1, t, rows, c0, BLOCK_M, BLOCK_N)
+        dx = tl.where(keep, dr * scale, 0.0)
+    else:
+        dx = dt
+    tl.store(DX + roff * stride_dx + c, _for_store(dx, DX_DT, ROUND_BITS), mask=mask)
+
+
+@triton.jit(do_not_specialize=_RNG_ARGS)
+def _bwd_kernel(
+    DY, DH, H, MEAN, RSTD, W, DX, DR, DWP, DBP, SEED,
+    M, N, stride_dy, stride_dh, stride_h, stride_dx, stride_dr,
+    scale, seed_lo, seed_hi, off_lo, off_hi, thr,
+    HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, STORE_DR: tl.constexpr, ROUND_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Persistent: each program walks row tiles pid, pid + G, ... and keeps its dweight and dbias
+    # partials in registers across them, writing them once to DWP[pid, :] / DBP[pid, :] (no atomics).
+    scale = tl.cast(scale, tl.float32)
+    IN_DT: tl.constexpr = H.dtype.element_ty
+    DX_DT: tl.constexpr = DX.dtype.element_ty
+    if DROPOUT:
+        k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
+    else:
+        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    c = cols[None, :]
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    num_tiles = tl.cdiv(M, BLOCK_M)
+    for tile in range(pid, num_tiles, num_progs):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        roff = rows.to(tl.int64)[:, None]
+        dy = tl.load(DY + roff * stride_dy + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        h = tl.load(H + roff * stride_h + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
+        xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+        if HAS_WEIGHT:
+            g = dy * w
+        else:
+            g = dy
+        mean_gx = (tl.sum(g * xhat, axis=1) / N)[:, None]
+        mean_g = (tl.sum(g, axis=1) / N)[:, None]
+        dt = rstd * (g - mean_g - xhat * mean_gx)
+        if HAS_DH:
+            dt += tl.load(DH + roff * stride_dh + c, mask=mask, other=0.0,
+                          eviction_policy="evict_first").to(tl.float32)
+        _bwd_grads(dt, rows, 0, DX, DR, roff, c, mask, stride_dx, stride_dr, scale, k0, k1, o0, o1, t,
+                   DROPOUT, STORE_DR, IN_DT, DX_DT, ROUND_BITS, BLOCK_M, BLOCK_N)
+        if NEED_DW:
+            dw_acc += dy * xhat
+        if NEED_DB:
+            db_acc += dy
+    if NEED_DW:
+        tl.store(DWP + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+    if NEED_DB:
+        tl.store(DBP + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+
+
+@triton.jit(do_not_specialize=_RNG_ARGS)
+def _bwd_chunked_kernel(
+    DY, DH, H, MEAN, RSTD, W, DX, DR, DWP, DBP, SEED,
+    M, N, stride_dy, stride_dh, stride_h, stride_dx, stride_dr,
+    scale, seed_lo, seed_hi, off_lo, off_hi, thr,
+    HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, STORE_DR: tl.constexpr, ROUND_BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Long rows: pass 1 sums g and g*xhat over the row, pass 2 (backwards, L2-hot) writes dx (and
+    # dresidual) and adds into this program's own partial rows DWP[pid, :], DBP[pid, :], which no
+    # other program touches.
+    scale = tl.cast(scale, tl.float32)
+    IN_DT: tl.constexpr = H.dtype.element_ty
+    DX_DT: tl.constexpr = DX.dtype.element_ty
+    if DROPOUT:
+        k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
+    else:
+        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    num_chunks = tl.cdiv(N, BLOCK_N)
+    dwp_row = DWP + pid.to(tl.int64) * N
+    dbp_row = DBP + pid.to(tl.int64) * N
+    for k in range(num_chunks):
+        c = k * BLOCK_N + cols
+        if NEED_DW:
+            tl.store(dwp_row + c, tl.zeros([BLOCK_N], dtype=tl.float32), mask=c < N)
+        if NEED_DB:
+            tl.store(dbp_row + c, tl.zeros([BLOCK_N], dtype=tl.float32), mask=c < N)
+    for row in range(pid, M, num_progs):
+        roff = tl.cast(row, tl.int64)  # (the interpreter hands loop variables over as Python ints)
+        rows = tl.zeros([1], dtype=tl.int32) + row
+        dy_row = DY + roff * stride_dy
+        h_row = H + roff * stride_h
+        mean = tl.load(MEAN + row)
+        rstd = tl.load(RSTD + row)
+
+        acc_gx = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in range(num_chunks):
+            c = k * BLOCK_N + cols
+            m = c < N
+            dy = tl.load(dy_row + c, mask=m, other=0.0).to(tl.float32)
+            h = tl.load(h_row + c, mask=m, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                g = dy * tl.load(W + c, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            else:
+                g = dy
+            acc_gx += g * (h - mean)
+            acc_g += g
+        mean_gx = tl.sum(acc_gx, axis=0) * rstd / N
+        mean_g = tl.sum(acc_g, axis=0) / N
+
+        for k in range(num_chunks):
+            c0 = (num_chunks - 1 - k) * BLOCK_N
+            c = c0 + cols
+            m = c < N
+            dy = tl.load(dy_row + c, mask=m, other=0.0).to(tl.float32)
+            h = tl.load(h_row + c, mask=m, other=0.0).to(tl.float32)
+            xhat = (h - mean) * rstd
+            if HAS_WEIGHT:
+                g = dy * tl.load(W + c, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            else:
+                g = dy
+            dt = rstd * (g - mean_g - xhat * mean_gx)
+            if HAS_DH:
+                dt += tl.load(DH + roff * stride_dh + c, mask=m, other=0.0).to(tl.float32)
+            _bwd_grads(dt[None, :], rows, c0, DX, DR, roff, c[None, :], m[None, :], stride_dx, stride_dr,
+                       scale, k0, k1, o0, o1, t, DROPOUT, STORE_DR, IN_DT, DX_DT, ROUND_BITS, 1, BLOCK_N)
+            # Same offsets and layout as the zeroing stores: each thread re-reads its own writes.
+            if NEED_DW:
+                p = tl.load(dwp_row + c, mask=m, other=0.0)
+                tl.store(dwp_row + c, p + dy * xhat, mask=m)
+            if NEED_DB:
+                q = tl.load(dbp_row + c, mask=m, other=0.0)
+                tl.store(dbp_row + c, q + dy, mask=m)
+
+
+@triton.jit
+def _col_sum(P, OUT, G, N, pid, ROUND_BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        rows = g0 + tl.arange(0, BLOCK_G)
+        mask = (rows < G)[:, None] & col_ok[None, :]
+        acc += tl.load(P + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + cols, _for_store(tl.sum(acc, axis=0), OUT.dtype.element_ty, ROUND_BITS), mask=col_ok)
+
+
+@triton.jit
+def _reduce_kernel(P0, OUT0, P1, OUT1, G, N, ROUND_BITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    # Column sums of [G, N] fp32 partials, cast to the parameter's dtype in the same pass; grid axis 1
+    # picks the array (dweight, dbias), so one launch serves both.
+    pid = tl.program_id(0)
+    if tl.program_id(1) == 0:
+        _col_sum(P0, OUT0, G, N, pid, ROUND_BITS, BLOCK_G, BLOCK_N)
+    else:
+        _col_sum(P1, OUT1, G, N, pid, ROUND_BITS, BLOCK_G, BLOCK_N)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def _programs_per_sm(num_warps: int) -> int:
+    # Resident programs per SM: 64K registers and 64 warps per SM bound them. A persistent grid
+    # larger than one wave would run its last programs after the others had finished their share.
+    return max(1, min(64 // num_warps, 65536 // (_BWD_REGS * 32 * num_warps)))
+
+
+def _check_param(p, n, device, what):
+    if p is None:
+        return
+    if p.dim() != 1 or p.shape[0] != n:
+        raise ValueError(f"{what} must have shape [{n}], got {tuple(p.shape)}")
+    if p.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"unsupported {what} dtype {p.dtype}")
+    if p.device != device:
+        raise ValueError(f"{what} is on a different device")
+    if p.stride(0) != 1:
+        raise ValueError(f"{what} must be contiguous")
+
+
+def _i32(v: int) -> int:
+    """A 32-bit word as a signed int32 value (kernel arguments keep one type: int32)."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= (1 << 31) else v
+
+
+def _rng_args(p: float, seed, offset: int, device: torch.device):
+    """(SEED tensor or None, seed_lo, seed_hi, off_lo, off_hi, thr, scale) for dropout probability p."""
+    p = float(p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if p == 0.0:
+        return None, 0, 0, 0, 0, 0, 1.0
+    if seed is None:
+        raise ValueError("dropout with p > 0 needs a seed")
+    offset = int(offset)
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() < 1 or seed.device != device:
+            raise ValueError("a seed tensor must be int64 with at least one element, on the inputs' device")
+        seed_t, lo, hi = seed, 0, 0
+    else:
+        seed = int(seed)
+        seed_t, lo, hi = None, _i32(seed), _i32(seed >> 32)
+    thr = min(round(p * 2.0**32), 2**32 - 1)
+    # As ATen's CUDA dropout: scale = 1 / float32(1 - p), applied in fp32. (struct, not a torch
+    # tensor: this also runs while torch.compile traces a triton_op.)
+    keep = struct.unpack("f", struct.pack("f", 1.0 - p))[0]
+    return seed_t, lo, hi, _i32(offset), _i32(offset >> 32), _i32(thr), 1.0 / keep
+
+
+def dropout_mask(shape, p: float, seed, offset: int = 0, device="cpu", *, block_n: int | None = None) -> torch.Tensor:
+    """The keep mask (bool, `shape`) that layer_norm_fwd/bwd use for rows of the last dim of
+    `shape`, for tests. `block_n` (a power of two >= 4) only changes the tiling, not the result."""
+    device = torch.device(device)
+    shape = tuple(shape)
+    n = shape[-1] if shape else 1
+    out = torch.empty(shape, dtype=torch.int8, device=device)
+    seed_t, lo, hi, olo, ohi, thr, _ = _rng_args(p, seed, offset, device)
+    if float(p) == 0.0:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    if out.numel() == 0:
+        return out.bool()
+    o2 = out.view(-1, n)
+    m = o2.shape[0]
+    if block_n is None:
+        bn = max(_RNG_GROUP, min(_TILE, triton.next_power_of_2(n)))
+    elif block_n < _RNG_GROUP or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= {_RNG_GROUP}")
+    else:
+        bn = block_n
+    bm = max(1, _TILE // bn)
+    with _device_guard(device):
+        _launcher(_mask_kernel, out)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            o2, seed_t if seed_t is not None else o2, m, n, o2.stride(0), lo, hi, olo, ohi, thr,
+            SEED_PTR=seed_t is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    return out.bool()
+
+
+def layer_norm_fwd(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    *,
+    p: float = 0.0,
+    seed: int | torch.Tensor | None = None,
+    offset: int = 0,
+    residual_first: bool = False,
+    store_h: bool = True,
+    max_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """LayerNorm of h = round(dropout(x, p)) (+ residual, rounded) over the last dim.
+    Returns (y, h, mean, rstd).
+
+    y and h have x's dtype and shape: h is x itself when p == 0 and there is no residual, None when
+    `store_h` is False. mean and rstd are fp32 of shape [numel // N]. weight and bias ([N], x's dtype
+    or fp32) are optional. With p > 0 the mask comes from (seed, offset) (see the module docstring):
+    `seed` is a Python int or a one-element int64 tensor on x's device (use the tensor in traced
+    code), `offset` an int. `residual_first` (the model wrote residual + dropout(x)) does not change
+    the result: one fp32 add, rounded. `max_chunk` (widest column chunk, a power of two) is a testing
+    knob; results do not depend on it.
+    """
+    del residual_first  # addition in fp32 then one rounding is commutative
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"unsupported dtype {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError("x must have a non-empty last dimension")
+    n = x.shape[-1]
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.device != x.device):
+        raise ValueError("residual must match x in shape, dtype and device")
+    _check_param(weight, n, x.device, "weight")
+    _check_param(bias, n, x.device, "bias")
+    rng = _rng_args(p, seed, offset, x.device)
+    dropout = float(p) > 0.0
+
+    x2 = _as_2d(x, n)
+    m = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty((m,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    h_is_x = residual is None and not dropout
+    write_h = store_h and not h_is_x
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if write_h else None
+    h_out = (x if h_is_x else h) if store_h else None
+    if isinstance(m, int) and m == 0:
+        return y, h_out, mean, rstd
+
+    with _device_guard(x.device):
+        _launch_fwd(x2, residual, weight, bias, eps, rng, dropout, y, h, h_is_x, mean, rstd, max_chunk)
+    return y, h_out, mean, rstd
+
+
+def _launch_fwd(x2, residual, weight, bias, eps, rng, dropout, y, h, h_is_x, mean, rstd, max_chunk):
+    m, n = x2.shape
+    has_res = residual is not None
+    write_h = h is not None
+    r2 = _as_2d(residual, n) if has_res else x2
+    y2 = y.view(-1, n)
+    # Without a transform h is x: pass 2 of the chunked path re-reads it from there.
+    h2 = h.view(-1, n) if write_h else x2
+    seed_t, lo, hi, olo, ohi, thr, scale = rng
+    w = weight if weight is not None else x2  # unused pointers when the flags are off
+    b = bias if bias is not None else x2
+    args = (x2, r2, w, b, y2, h2, mean, rstd, seed_t if seed_t is not None else x2,
+            m, n, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
+            float(eps), float(scale), lo, hi, olo, ohi, thr)
+    flags = dict(HAS_RESIDUAL=has_res, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                 DROPOUT=dropout, SEED_PTR=seed_t is not None, STORE_H=write_h,
+                 REREAD_H=write_h or h_is_x, ROUND_BITS=x2.device.type != "cuda")
+    # Tiles of _TILE elements: whole short rows packed several per program, long rows in chunks.
+    block_n = _fwd_chunk(n) if max_chunk is None else min(triton.next_power_of_2(n), max_chunk)
+    if dropout:
+        block_n = max(block_n, _RNG_GROUP)  # one Philox call covers 4 columns
+    block_m = max(1, _TILE // block_n)
+    one_pass = block_n >= n
+    _launcher(_fwd_kernel, x2)[(triton.cdiv(m, block_m),)](
+        *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass,
+        num_warps=_warps_fwd(block_m * block_n, one_pass))
+
+
+def layer_norm_bwd(
+    dy: torch.Tensor,
+    dh: torch.Tensor | None,
+    h: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    p: float = 0.0,
+    seed: int | torch.Tensor | None = None,
+    offset: int = 0,
+    need_dweight: bool = True,
+    need_dbias: bool = True,
+    need_dresidual: bool = True,
+    max_chunk: int | None = None,
+    num_programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of `layer_norm_fwd`. Returns (dx, dresidual, dweight, dbias).
+
+    dh (optional) is the gradient reaching h from its other uses. dx and dresidual have h's dtype
+    and shape. With p > 0 (same p, seed and offset as the forward) dresidual is a separate tensor,
+    or None when `need_dresidual` is False. With p == 0 the two gradients are equal and dresidual is
+    dx itself (one write; clone it where outputs must not alias), or None when `need_dresidual` is
+    False. dweight/dbias are in weight's/bias's dtype, None without the parameter or when not needed.
+    `max_chunk` (rows wider than this take the chunked path, with chunks of at most this many
+    columns) and `num_programs` (persistent grid size) are tuning/testing knobs.
+    """
+    if h.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"unsupported dtype {h.dtype}")
+    n = h.shape[-1]
+    if dy.shape != h.shape or dy.dtype not in _FLOAT_DTYPES or dy.device != h.device:
+        raise ValueError("dy must match h in shape and device")
+    if dh is not None and (dh.shape != h.shape or dh.dtype not in _FLOAT_DTYPES or dh.device != h.device):
+        raise ValueError("dh must match h in shape and device")
+    _check_param(weight, n, h.device, "weight")
+    _check_param(bias, n, h.device, "bias")
+    rng = _rng_args(p, seed, offset, h.device)
+    dropout = float(p) > 0.0
+    h2 = _as_2d(h, n)
+    m = h2.shape[0]
+    for t, what in ((mean, "mean"), (rstd, "rstd")):
+        if t.dtype != torch.float32 or t.numel() != m:
+            raise ValueError(f"{what} must be fp32 with {m} elements")
+    mean = mean.reshape(m).contiguous()
+    rstd = rstd.reshape(m).contiguous()
+
+    need_dw = bool(need_dweight) and weight is not None
+    need_db = bool(need_dbias) and bias is not None
+    store_dr = bool(need_dresidual) and dropout
+    dx = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    dr = torch.empty(h.shape, dtype=h.dtype, device=h.device) if store_dr else None
+    if isinstance(m, int) and m == 0:
+        dw = torch.zeros_like(weight) if need_dw else None
+        db = torch.zeros_like(bias) if need_db else None
+    else:
+        with _device_guard(h.device):
+            dw, db = _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, need_db,
+                                 dx, dr, max_chunk, num_programs)
+    if dropout:
+        dres = dr
+    else:
+        dres = dx if need_dresidual else None
+    return dx, dres, dw, db
+
+
+def _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, need_db, dx, dr, max_chunk,
+                num_programs):
+    m, n = h2.shape
+    dev = h2.device
+    dy2 = _as_2d(dy, n)
+    dh2 = _as_2d(dh, n) if dh is not None else dy2
+    dx2 = dx.view(-1, n)
+    dr2 = dr.view(-1, n) if dr is not None else dx2
+    w = weight if weight is not None else h2
+    seed_t, lo, hi, olo, ohi, thr, scale = rng
+    flags = dict(HAS_DH=dh is not None, HAS_WEIGHT=weight is not None, NEED_DW=need_dw, NEED_DB=need_db,
+                 DROPOUT=dropout, SEED_PTR=seed_t is not None, STORE_DR=dr is not None,
+                 ROUND_BITS=dev.type != "cuda")
+    dummy = torch.empty((1,), dtype=torch.float32, device=dev)
+
+    def args(dwp, dbp):
+        return (dy2, dh2, h2, mean, rstd, w, dx2, dr2, dwp, dbp, seed_t if seed_t is not None else dummy,
+                m, n, dy2.stride(0), dh2.stride(0), h2.stride(0), dx2.stride(0), dr2.stride(0),
+                float(scale), lo, hi, olo, ohi, thr)
+
+    def partials(grid):
+        dwp = torch.empty((grid, n), dtype=torch.float32, device=dev) if need_dw else dummy
+        dbp = torch.empty((grid, n), dtype=torch.float32, device=dev) if need_db else dummy
+        return dwp, dbp
+
+    limit = (MAX_FUSED_BWD_DROPOUT if dropout else MAX_FUSED_BWD) if max_chunk is None else max_chunk
+    width = triton.next_power_of_2(n)
+    if width <= limit:
+        block_n = max(width, _RNG_GROUP) if dropout else width
+        block_m = max(1, _TILE // block_n)
+        warps = _warps_bwd(block_m * block_n)
+        per_sm = min(_MAX_PROGRAMS_PER_SM, _programs_per_sm(warps))
+        grid = _persistent_grid(per_sm, dev, triton.cdiv(m, block_m), num_programs)
+        dwp, dbp = partials(grid)
+        _launcher(_bwd_kernel, h2)[(grid,)](*args(dwp, dbp), **flags, BLOCK_M=block_m, BLOCK_N=block_n,
+                                            num_warps=warps)
+    else:
+        block_n = max(_RNG_GROUP, min(_CHUNK, triton.next_power_of_2(limit)))
+        warps = _warps_bwd(block_n)
+        elt = (dy2.element_size() + h2.element_size() + 8 + (dh2.element_size() if dh is not None else 0))
+        cap = _l2_programs_per_sm(dev, n * elt, _MAX_PROGRAMS_PER_SM) if dev.type == "cuda" else 1
+        grid = _persistent_grid(min(cap, _programs_per_sm(warps)), dev, m, num_programs)
+        dwp, dbp = partials(grid)
+        _launcher(_bwd_chunked_kernel, h2)[(grid,)](*args(dwp, dbp), **flags, BLOCK_N=block_n, num_warps=warps)
+
+    outs = []
+    if need_dw:
+        outs.append((dwp, torch.empty((n,), dtype=weight.dtype, device=dev)))
+    if need_db:
+        outs.append((dbp, torch.empty((n,), dtype=bias.dtype, device=dev)))
+    if outs:
+        p0, o0 = outs[0]
+        p1, o1 = outs[-1]
+        block_nr = 32
+        _launcher(_reduce_kernel, h2)[(triton.cdiv(n, block_nr), len(outs))](
+            p0, o0, p1, o1, grid, n, ROUND_BITS=dev.type != "cuda",
+            BLOCK_G=min(64, triton.next_power_of_2(grid)), BLOCK_N=block_nr, num_warps=4)
+    dw = outs[0][1] if need_dw else None
+    db = outs[-1][1] if need_db else None
+    return dw, db
+
+
