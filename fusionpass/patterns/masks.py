@@ -169,6 +169,23 @@ def _reindexed_mask(node: fx.Node, mask: Conjunction) -> Conjunction:
     return mask
 
 
+def _gathered(node: fx.Node, src: Affine, placements: list) -> Affine:
+    """position_ids[batch_idx, q_idx] where position_ids is itself an index tensor (transformers
+    >= 5.2x compares positions, not raw indices): the source's affine function evaluated at the
+    index vectors."""
+    ndim = g.tensor(node.args[0]).dim()
+    if len(placements) != ndim or not all(isinstance(p, Affine) for p in placements):
+        raise Unprovable("gather from an index tensor with other than one index per dim")
+    result = Affine((), src.const)
+    for pos, placement in enumerate(placements):
+        k = src.terms().get(pos - ndim, 0)
+        if k:
+            scaled = Affine(tuple((a, k * c) for a, c in placement.coef), k * placement.const,
+                            placement.lengths)
+            result = result.plus(scaled)
+    return result
+
+
 def _first_positions(node: fx.Node, src) -> Affine:
     """x[:, :1] (plain slices, each whole or the first position): the value at position 0 of the
     sliced axes, i.e. the affine value without their terms."""
@@ -318,6 +335,8 @@ class MaskAnalysis:
         if isinstance(value, Constant):
             return value
         placements = [self.value(i) for i in index]
+        if isinstance(value, Affine):
+            return _gathered(node, value, placements)
         axes = {a for p in placements if isinstance(p, Affine) for a, _ in p.coef}
         if KV_AXIS in axes and Q_AXIS not in axes:
             return Conjunction((), (RuntimeTerm("key padding", source),))

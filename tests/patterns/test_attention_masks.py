@@ -608,3 +608,22 @@ def test_padding_is_a_near_miss_by_default(monkeypatch):
     assert fusion == FUSION and reason.startswith("run_time_check: key padding from a run-time")
     assert "off by default" in reason
     torch.testing.assert_close(out, module(*inputs))
+
+
+def test_causal_from_position_id_lookups():
+    """transformers >= 5.2x compares position ids looked up at the query and key indices
+    (`pos[b, kv] <= pos[b, q]`) instead of the raw indices; with arange positions that is causal."""
+
+    def builder(q, k, pm):
+        b, sq = q.shape[0], q.shape[-2]
+        pos = (torch.arange(sq) + 0).unsqueeze(0).expand(b, -1)
+        batch = torch.arange(b)[:, None, None, None]
+        q_idx = torch.arange(sq)[None, None, :, None]
+        kv_idx = torch.arange(sq)[None, None, None, :]
+        return (pos[batch, kv_idx] <= pos[batch, q_idx]).expand(b, -1, sq, sq)
+
+    module = Attention(builder=builder)
+    inputs = inputs_for(None)
+    _, out, record = fused_graph(module, *inputs, fusions=[FUSION])
+    assert record.matches == counts(causal_mask=1)
+    torch.testing.assert_close(out, module(*inputs), rtol=1e-5, atol=1e-5)
