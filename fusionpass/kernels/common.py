@@ -69,6 +69,18 @@ def _warps_fwd(tile: int, one_pass: bool) -> int:
     return 8 if tile >= 2048 else 4
 
 
+def _warps_bwd(tile: int) -> int:
+    # ~8 elements per thread: a backward row holds dy, h, dh, the weight and the weight-gradient
+    # partials at once (rms_norm at 64 registers fits two 16-warp programs per SM).
+    if tile >= 8192:
+        return 32
+    if tile >= 4096:
+        return 16
+    if tile >= 2048:
+        return 8
+    return 4
+
+
 def _fwd_chunk(n: int) -> int:
     """Columns per chunk: the whole row (one pass in registers) except where two passes over
     2048-column chunks measured faster on the H200 (rows of 2049..4096) or rows exceed registers."""

@@ -54,6 +54,7 @@ from fusionpass.kernels.common import (
     _launcher,
     _persistent_grid,
     _round,
+    _warps_bwd,
     _warps_fwd,
 )
 
@@ -71,8 +72,6 @@ MAX_FUSED_BWD_DROPOUT = 4096
 # program. 4/8/16/32 warps -> 4/2/1/1 programs per SM.
 _BWD_REGS = 116
 _CHUNK = 4096
-# Forward tiles, and backward tiles of small rows: this many elements, a tile of several short rows
-# or a chunk of a long one.
 # The backward is persistent; more programs per SM than this only grows the dweight partials.
 _MAX_PROGRAMS_PER_SM = 4
 # Philox rounds (Philox4x32-10, as tl.rand and cuRAND).
@@ -83,21 +82,6 @@ _RNG_GROUP = 4
 _RNG_ARGS = ["seed_lo", "seed_hi", "off_lo", "off_hi", "thr"]
 
 
-def _warps_bwd(tile: int) -> int:
-    # ~8 elements per thread: the backward holds dy, h, dh, w, the dweight/dbias partials and the
-    # Philox words at once.
-    if tile >= 8192:
-        return 32
-    if tile >= 4096:
-        return 16
-    if tile >= 2048:
-        return 8
-    return 4
-
-
-# --------------------------------------------------------------------------------------------------
-# Rounding helpers (as in rms_norm.py)
-# --------------------------------------------------------------------------------------------------
 # --------------------------------------------------------------------------------------------------
 # Dropout RNG
 # --------------------------------------------------------------------------------------------------

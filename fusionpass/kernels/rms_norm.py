@@ -28,6 +28,7 @@ from fusionpass.kernels.common import (
     _launcher,
     _persistent_grid,
     _round,
+    _warps_bwd,
     _warps_fwd,
 )
 
@@ -39,27 +40,10 @@ __all__ = ["rms_norm_fwd", "rms_norm_bwd"]
 # sm_90 gives every variant <= 102 registers per thread and no spills; a 16384 backward row would.
 MAX_FUSED_BWD = 8192
 _CHUNK = 4096
-# Forward tiles, and backward tiles of small rows (q/k-norm over head_dim): this many elements, a
-# tile of several short rows or a chunk of a long one.
 # The backward is persistent; more programs per SM than this only grows the dweight partials.
 _MAX_PROGRAMS_PER_SM = 4
 
 
-def _warps_bwd(tile: int) -> int:
-    # ~8 elements per thread: the backward holds dy, h, dh, w and the dweight partial at once, and
-    # at 64 registers two 16-warp programs fill an SM.
-    if tile >= 8192:
-        return 32
-    if tile >= 4096:
-        return 16
-    if tile >= 2048:
-        return 8
-    return 4
-
-
-# --------------------------------------------------------------------------------------------------
-# Rounding helpers
-# --------------------------------------------------------------------------------------------------
 # --------------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ Models: 2 layers, hidden 64, 4 heads of 16 (2 KV heads), vocabulary 128, batch 2
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -20,6 +19,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from helpers import (
+    KnownBug,
+    known_bug,
     assert_outcomes_close,
     compile_and_count,
     compiling,
@@ -37,9 +38,6 @@ BATCH, SEQ, VOCAB = 2, 8, 128
 WINDOW = 4  # < SEQ: the window really cuts
 RTOL_FP32 = 1e-4
 
-class KnownBug(Exception):
-    """Raised by `known_bug` when a reported package bug shows itself with its own message, so
-    that `xfail(strict=True, raises=KnownBug)` fails for any other error and passes once fixed."""
 
 @pytest.fixture(autouse=True)
 def _run_time_check_on(monkeypatch):
@@ -47,17 +45,6 @@ def _run_time_check_on(monkeypatch):
     (Config.attention_runtime_check); these tests exercise it. test_padding_is_a_near_miss_by_default
     checks the default."""
     monkeypatch.setenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", "1")
-
-
-
-@contextlib.contextmanager
-def known_bug(exc_type, text: str):
-    try:
-        yield
-    except exc_type as e:
-        if text in str(e):
-            raise KnownBug(text) from e
-        raise
 
 
 SLIDING = "sliding-window mask: needs fusionpass's attention kernel (not built yet)"

@@ -11,13 +11,14 @@ checks it against the real one.
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
+    KnownBug,
+    known_bug,
     assert_outcomes_close,
     compile_and_count,
     compiling,
@@ -45,24 +46,8 @@ def _run_time_check_on(monkeypatch):
     monkeypatch.setenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", "1")
 
 
-
 def counts(**variants) -> dict:
     return {(FUSION, v): n for v, n in variants.items() if n}
-
-
-class KnownBug(Exception):
-    """Raised by `known_bug` when a reported package bug shows itself with its own message, so
-    that `xfail(strict=True, raises=KnownBug)` fails for any other error and passes once fixed."""
-
-
-@contextlib.contextmanager
-def known_bug(exc_type, text: str):
-    try:
-        yield
-    except exc_type as e:
-        if text in str(e):
-            raise KnownBug(text) from e
-        raise
 
 
 # ---------------------------------------------------------------------------------------------
