@@ -122,10 +122,11 @@ class Attention(nn.Module):
     the tokenizer; like `_preprocess_mask_arguments` the module turns it to bool first."""
 
     def __init__(self, mask="causal", layers=1, dropout=0.0, scale=None, q_offset=0,
-                 positional=False, builder=None):
+                 positional=False, builder=None, repeat_kv=None):
         super().__init__()
         self.mask, self.layers, self.dropout, self.scale = mask, layers, dropout, scale
         self.q_offset, self.positional, self.builder = q_offset, positional, builder
+        self.repeat_kv = repeat_kv  # grouped K/V copied up to the query heads: "hf" or "interleave"
 
     def build(self, q, k, attention_mask):
         padding_mask = None
@@ -141,6 +142,8 @@ class Attention(nn.Module):
     def forward(self, q, k, v, attention_mask=None):
         mask = self.build(q, k, attention_mask)
         dropout = self.dropout if self.training else 0.0
+        if self.repeat_kv is not None:
+            k, v = (REPEAT_KV[self.repeat_kv](t, q.shape[1] // t.shape[1]) for t in (k, v))
         out = q
         for _ in range(self.layers):
             if self.positional:
@@ -152,11 +155,26 @@ class Attention(nn.Module):
         return out
 
 
-def qkv(batch=B, q_len=S, kv_len=S):
+def hf_repeat_kv(hidden_states, n_rep):
+    """transformers 5.17's `repeat_kv` (models/llama/modeling_llama.py)."""
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+REPEAT_KV = {
+    "hf": hf_repeat_kv,
+    "interleave": lambda t, n: torch.repeat_interleave(t, n, dim=1),
+}
+
+
+def qkv(batch=B, q_len=S, kv_len=S, kv_heads=H):
     return (
         torch.randn(batch, H, q_len, D),
-        torch.randn(batch, H, kv_len, D),
-        torch.randn(batch, H, kv_len, D),
+        torch.randn(batch, kv_heads, kv_len, D),
+        torch.randn(batch, kv_heads, kv_len, D),
     )
 
 
@@ -310,6 +328,60 @@ def test_dynamic_causal_with_padding():
             assert_outcomes_close(run(compiled, module, inputs), eager(module, *inputs))
         assert near_misses() == [], near_misses()
         assert fusionpass.stats(variants=True) == counts(causal_mask_if_unpadded=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped K/V: the repeat_kv copy goes with the mask
+
+
+@pytest.mark.parametrize("form", sorted(REPEAT_KV))
+def test_repeat_kv_becomes_enable_gqa(form):
+    """Without padding the fast call reads the grouped K/V placeholders with enable_gqa=True and
+    every node of the copy is gone; outputs and the K/V gradients (summed over each group) equal
+    eager's."""
+    module = Attention("causal", layers=2, repeat_kv=form)
+    inputs = inputs_for(None, kv_heads=2)
+    gm, _, record = fused_graph(module, *inputs, fusions=[FUSION])
+    assert record.matches == counts(causal_mask=2)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sdpas = [n for n in gm.graph.nodes if n.target in SDPA_TARGETS]
+    assert len(sdpas) == 2
+    for n in sdpas:
+        assert n.kwargs.get("enable_gqa") is True
+        assert n.args[1] in placeholders and n.args[2] in placeholders
+    leftover = {"expand", "reshape", "repeat_interleave", torch.repeat_interleave}
+    assert not [n for n in gm.graph.nodes if n.target in leftover]
+    check(module, inputs, counts(causal_mask=2), train=True)
+
+
+@pytest.mark.parametrize("padding_kind", ["ones", "right"])
+def test_repeat_kv_kept_under_the_run_time_check(padding_kind):
+    """With the run-time check both branches read the repeated K/V (one operand list for both);
+    outputs and gradients agree with eager on either branch."""
+    module = Attention("causal", repeat_kv="hf")
+    inputs = inputs_for(padding_kind, kv_heads=2)
+    check(module, inputs, counts(causal_mask_if_unpadded=1), train=True)
+    gm, _, _ = fused_graph(module, *inputs, fusions=[FUSION])
+    assert nodes(gm, "expand") and nodes(gm, "reshape")
+
+
+def test_repeat_of_other_heads_is_kept():
+    """K repeated but V already at the query head count: no GQA call (enable_gqa needs both);
+    the rewrite still drops the mask and computes what eager computes."""
+
+    class HalfRepeated(Attention):
+        def forward(self, q, k, v):
+            mask = self.build(q, k, None)
+            k = hf_repeat_kv(k, 2)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, _ = qkv(kv_heads=2)
+    v = torch.randn(B, H, S, D)
+    gm, _, record = fused_graph(HalfRepeated("causal"), q, k, v, fusions=[FUSION])
+    assert record.matches == counts(causal_mask=1)
+    (sdpa,) = [n for n in gm.graph.nodes if n.target in SDPA_TARGETS]
+    assert "enable_gqa" not in sdpa.kwargs
+    check(HalfRepeated("causal"), (q, k, v), counts(causal_mask=1))
 
 
 # ---------------------------------------------------------------------------------------------
