@@ -25,6 +25,7 @@ from helpers import (
     compile_and_count,
     compiling,
     eager,
+    fused_graph,
     make_backend,
     near_misses,
     run,
@@ -291,3 +292,21 @@ def test_other_sequence_lengths():
         with known_bug(AssertionError, "differs from the attention length"):
             assert near_misses() == [], near_misses()
         assert [r.matches for r in records] == [{(FUSION, "causal_mask"): LAYERS}] * 2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_repeat_kv_copies_are_gone(family):
+    """GQA families (4 query heads over 2 KV heads): every rewritten SDPA reads the grouped K/V
+    with enable_gqa=True, and no repeat_kv expand (the only 5-d one) is left in the graph."""
+    model = build(family).eval()
+    args, kwargs = inputs(family)
+    sdpa = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+    gm, out, record = fused_graph(lambda ids: model(ids, **kwargs), *args, fusions=[FUSION])
+    calls = [n for n in gm.graph.nodes if n.target in sdpa]
+    assert record.matches == {(FUSION, "causal_mask"): LAYERS}
+    assert len(calls) == LAYERS
+    for n in calls:
+        assert n.kwargs.get("enable_gqa") is True
+        assert n.args[1].meta["example_value"].shape[1] == 2
+    assert not [n for n in gm.graph.nodes if n.target == "expand" and n.meta["example_value"].dim() == 5]
+    torch.testing.assert_close(out.logits, model(*args, **kwargs).logits, rtol=RTOL_FP32, atol=1e-5)
