@@ -44,6 +44,15 @@ class Config:
     attention_runtime_check: bool = False
     rms_norm_min_width: int = 2048
     rms_norm_max_width: int = 4096
+    # layer_norm_dropout_residual cost rule (patterns/layer_norm.py `cost_rule`), from the H200
+    # (benchmarks/results/2026-11-30-h200-layer_norm_dropout_residual.md, 16384 rows, bf16, kernel
+    # time): training (a dropout or a gradient) won at every width measured, 768..8192
+    # (1.39-1.74x); inference only at 2048..4096 (1.25x, 1.16x; 0.98-0.99x at 768/1024, 0.95x at
+    # 8192).
+    layer_norm_min_width: int = 768
+    layer_norm_max_width: int = 8192
+    layer_norm_inference_min_width: int = 2048
+    layer_norm_inference_max_width: int = 4096
 
     def __post_init__(self):
         unknown = set(self.fusions) - set(FUSION_NAMES)
@@ -68,7 +77,8 @@ def _split(value: str) -> list[str]:
 
 def from_env(base: Config | None = None, environ=os.environ) -> Config:
     """Apply FUSIONPASS_FUSIONS (comma list, replaces the set), FUSIONPASS_DISABLE (comma list,
-    removed from it), FUSIONPASS_CPU (1/0) and FUSIONPASS_RMS_NORM_MIN/MAX_WIDTH over `base`."""
+    removed from it), FUSIONPASS_CPU (1/0), FUSIONPASS_RMS_NORM_MIN/MAX_WIDTH,
+    and FUSIONPASS_LAYER_NORM_[INFERENCE_]MIN/MAX_WIDTH over `base`."""
     cfg = base or Config()
     if "FUSIONPASS_FUSIONS" in environ:
         cfg = cfg.replace(fusions=frozenset(_split(environ["FUSIONPASS_FUSIONS"])))
@@ -83,6 +93,14 @@ def from_env(base: Config | None = None, environ=os.environ) -> Config:
         cfg = cfg.replace(rms_norm_min_width=int(environ["FUSIONPASS_RMS_NORM_MIN_WIDTH"]))
     if "FUSIONPASS_RMS_NORM_MAX_WIDTH" in environ:
         cfg = cfg.replace(rms_norm_max_width=int(environ["FUSIONPASS_RMS_NORM_MAX_WIDTH"]))
+    if "FUSIONPASS_LAYER_NORM_MIN_WIDTH" in environ:
+        cfg = cfg.replace(layer_norm_min_width=int(environ["FUSIONPASS_LAYER_NORM_MIN_WIDTH"]))
+    if "FUSIONPASS_LAYER_NORM_MAX_WIDTH" in environ:
+        cfg = cfg.replace(layer_norm_max_width=int(environ["FUSIONPASS_LAYER_NORM_MAX_WIDTH"]))
+    if "FUSIONPASS_LAYER_NORM_INFERENCE_MIN_WIDTH" in environ:
+        cfg = cfg.replace(layer_norm_inference_min_width=int(environ["FUSIONPASS_LAYER_NORM_INFERENCE_MIN_WIDTH"]))
+    if "FUSIONPASS_LAYER_NORM_INFERENCE_MAX_WIDTH" in environ:
+        cfg = cfg.replace(layer_norm_inference_max_width=int(environ["FUSIONPASS_LAYER_NORM_INFERENCE_MAX_WIDTH"]))
     return cfg
 
 

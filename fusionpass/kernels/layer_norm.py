@@ -60,16 +60,14 @@ from fusionpass.kernels.common import (
 
 __all__ = ["dropout_mask", "layer_norm_bwd", "layer_norm_fwd"]
 
-# Forward rows up to this width are held in registers (see _fwd_chunk).
 # Backward rows whose next power of two is at most this stay in registers, one row (or a tile of
-# rows) per program; longer rows loop over chunks of _CHUNK columns. With dropout, an 8192 row
-# spills for sm_90 (32 warps cap a thread at 64 registers; 16 warps need more than 128), so those
-# rows take the chunked path from 4097 columns on.
+# rows) per program; longer rows loop over chunks of _CHUNK columns. (An 8192 row with dropout
+# spills for sm_90 at 16 warps, yet measured 0.43 ms against 0.64 for the best chunked launch,
+# 16384x8192 bf16.)
 MAX_FUSED_BWD = 8192
-MAX_FUSED_BWD_DROPOUT = 4096
 # Registers per thread of the backward kernels for sm_90 (ptxas, every flag combination and dtype:
 # 59..116, the most with dropout, dh, dweight, dbias and dresidual): residency of a persistent
-# program. 4/8/16/32 warps -> 4/2/1/1 programs per SM.
+# program on launches the measured tables below do not cover.
 _BWD_REGS = 116
 _CHUNK = 4096
 # The backward is persistent; more programs per SM than this only grows the dweight partials.
@@ -441,6 +439,33 @@ def _reduce_kernel(P0, OUT0, P1, OUT1, G, N, ROUND_BITS: tl.constexpr, BLOCK_G: 
 # --------------------------------------------------------------------------------------------------
 
 
+# Launch tables, from a sweep of warps x chunk x programs per SM on the H200 (16384 rows, bf16,
+# kernel time; benchmarks/results/2026-11-30-h200-layer_norm_dropout_residual.md). Rows of up to
+# 4096 columns: one pass in registers; 8192 with h stored (training): two passes over 2048-column
+# chunks, h re-read from L2 (0.28 vs 0.31-0.34 ms one pass); without h: one pass at 16 warps.
+
+
+def _fwd_plan(n: int, store_h: bool) -> tuple[int, int] | None:
+    """(columns per chunk, warps) for rows of n columns, or None: the shared norm defaults."""
+    width = triton.next_power_of_2(n)
+    if width <= 4096:
+        return width, (8 if width == 4096 else 4)
+    if width <= 8192:
+        return (_TILE, 4) if store_h else (width, 16)
+    return None
+
+
+def _bwd_plan(width: int, dropout: bool) -> tuple[int, int]:
+    """(warps, programs per SM) of the in-register backward for rows of `width` (a power of two)."""
+    if width <= 1024:
+        return 4, 4
+    if width <= 2048:
+        return (8, 2) if dropout else (4, 4)
+    if width <= 4096:
+        return 4, 2
+    return 16, 2
+
+
 def _programs_per_sm(num_warps: int) -> int:
     # Resident programs per SM: 64K registers and 64 warps per SM bound them. A persistent grid
     # larger than one wave would run its last programs after the others had finished their share.
@@ -494,6 +519,8 @@ def dropout_mask(shape, p: float, seed, offset: int = 0, device="cpu", *, block_
     """The keep mask (bool, `shape`) that layer_norm_fwd/bwd use for rows of the last dim of
     `shape`, for tests. `block_n` (a power of two >= 4) only changes the tiling, not the result."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     shape = tuple(shape)
     n = shape[-1] if shape else 1
     out = torch.empty(shape, dtype=torch.int8, device=device)
@@ -592,14 +619,19 @@ def _launch_fwd(x2, residual, weight, bias, eps, rng, dropout, y, h, h_is_x, mea
                  DROPOUT=dropout, SEED_PTR=seed_t is not None, STORE_H=write_h,
                  REREAD_H=write_h or h_is_x, ROUND_BITS=x2.device.type != "cuda")
     # Tiles of _TILE elements: whole short rows packed several per program, long rows in chunks.
-    block_n = _fwd_chunk(n) if max_chunk is None else min(triton.next_power_of_2(n), max_chunk)
+    plan = _fwd_plan(n, write_h) if max_chunk is None else None
+    if plan is not None:
+        block_n, warps = plan
+    else:
+        block_n = _fwd_chunk(n) if max_chunk is None else min(triton.next_power_of_2(n), max_chunk)
+        warps = None
     if dropout:
         block_n = max(block_n, _RNG_GROUP)  # one Philox call covers 4 columns
     block_m = max(1, _TILE // block_n)
     one_pass = block_n >= n
     _launcher(_fwd_kernel, x2)[(triton.cdiv(m, block_m),)](
         *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass,
-        num_warps=_warps_fwd(block_m * block_n, one_pass))
+        num_warps=warps or _warps_fwd(block_m * block_n, one_pass))
 
 
 def layer_norm_bwd(
@@ -693,13 +725,12 @@ def _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, nee
         dbp = torch.empty((grid, n), dtype=torch.float32, device=dev) if need_db else dummy
         return dwp, dbp
 
-    limit = (MAX_FUSED_BWD_DROPOUT if dropout else MAX_FUSED_BWD) if max_chunk is None else max_chunk
+    limit = MAX_FUSED_BWD if max_chunk is None else max_chunk
     width = triton.next_power_of_2(n)
     if width <= limit:
         block_n = max(width, _RNG_GROUP) if dropout else width
         block_m = max(1, _TILE // block_n)
-        warps = _warps_bwd(block_m * block_n)
-        per_sm = min(_MAX_PROGRAMS_PER_SM, _programs_per_sm(warps))
+        warps, per_sm = _bwd_plan(block_n, dropout)
         grid = _persistent_grid(per_sm, dev, triton.cdiv(m, block_m), num_programs)
         dwp, dbp = partials(grid)
         _launcher(_bwd_kernel, h2)[(grid,)](*args(dwp, dbp), **flags, BLOCK_M=block_m, BLOCK_N=block_n,

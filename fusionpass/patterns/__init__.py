@@ -2,4 +2,8 @@
 
 # The modules `fusionpass.registry.registered()` imports, in no particular order (the pass runs
 # fusions in the order of `fusionpass.config.FUSION_NAMES`).
-MODULES = ("fusionpass.patterns.rms_norm", "fusionpass.patterns.attention")
+MODULES = (
+    "fusionpass.patterns.rms_norm",
+    "fusionpass.patterns.layer_norm",
+    "fusionpass.patterns.attention",
+)

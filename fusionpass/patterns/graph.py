@@ -197,6 +197,14 @@ def static_int(size) -> int | None:
     return None
 
 
+def unsupported_device(t: torch.Tensor, cfg) -> str | None:
+    """Why a fusion leaves tensors on this device alone, or None: CUDA always, the CPU only with
+    Config.cpu (tests, `fusionpass explain` without a GPU)."""
+    if t.device.type == "cuda" or (t.device.type == "cpu" and cfg.cpu):
+        return None
+    return f"device {t.device.type}: Inductor's own code runs there"
+
+
 def last_dim_contiguous(t: torch.Tensor) -> bool:
     return t.dim() == 0 or t.shape[-1] == 1 or t.stride(-1) == 1
 

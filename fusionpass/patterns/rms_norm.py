@@ -225,10 +225,7 @@ def _search(form_name, form):
 
 
 def device_supported(m: Match, cfg) -> str | None:
-    device = g.tensor(m.bindings["h"]).device
-    if device.type == "cuda" or (device.type == "cpu" and cfg.cpu):
-        return None
-    return f"device {device.type}: Inductor's own code runs there"
+    return g.unsupported_device(g.tensor(m.bindings["h"]), cfg)
 
 
 def dtypes_agree(m: Match, cfg) -> str | None:

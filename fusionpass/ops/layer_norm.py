@@ -1,0 +1,320 @@
+"""fusionpass::layer_norm_dropout_residual and its backward: triton_ops (CUDA), host custom ops (CPU), autograd.
+
+The forward computes, per row of the last dimension (see fusionpass.kernels.layer_norm),
+    d = dropout(x, p)                          keep ? round(x * s) : 0      (d = x when p == 0)
+    h = round(d + residual)                    (h = d without a residual)
+    y = round((h - mean) * rstd * weight + bias)
+and returns (y, h, mean, rstd); h is an empty tensor when `store_h` is False (inference with h
+used nowhere else). With p > 0 the keep mask is a function of the one-element int64 `seed` tensor:
+the backward regenerates it from the same tensor, so no mask is ever stored. The caller draws a
+fresh seed per call (the pattern inserts `torch.randint` into the graph, once per LayerNorm).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import torch
+from torch import Tensor
+
+_U32 = 0xFFFFFFFF
+
+
+def _rows(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _empty(t: Tensor) -> Tensor:
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def _none(t: Tensor) -> Tensor:
+    # Schemas return Tensors: "no such output" is an empty one.
+    return t.new_empty(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch reference. CPU graphs without the Triton interpreter (`fusionpass explain` on a machine
+# without a GPU) run this. It draws the *same* keep mask as the kernels -- Philox4x32-10 keyed by
+# the seed, counter (col // 4, row, 0, 0), word col % 4, kept iff >= round(p * 2**32) -- so a CPU
+# run and an interpreted run drop the same elements, and the backward matches the forward.
+
+
+def _dropout_constants(p: float) -> tuple[int, float]:
+    """(threshold, scale) as the kernels use them: scale = fp32(1 / fp32(1 - p))."""
+    threshold = min(round(p * 2.0**32), _U32)
+    keep = struct.unpack("f", struct.pack("f", 1.0 - p))[0]
+    return threshold, 1.0 / keep
+
+
+def _mulhilo(a: Tensor, b: int) -> tuple[Tensor, Tensor]:
+    """High and low 32 bits of a * b for uint32 values held in int64 (b split in 16-bit halves
+    so that no product overflows 63 bits)."""
+    t = a * (b & 0xFFFF)
+    u = a * (b >> 16) + (t >> 16)
+    return u >> 16, ((u & 0xFFFF) << 16) | (t & 0xFFFF)
+
+
+def philox_keep(rows: int, cols: int, p: float, seed: int) -> Tensor:
+    """The kernels' keep mask of a [rows, cols] view, in torch (bool, on the CPU)."""
+    threshold, _ = _dropout_constants(p)
+    groups = (cols + 3) // 4
+    c0 = torch.arange(groups, dtype=torch.int64).expand(rows, groups)
+    c1 = torch.arange(rows, dtype=torch.int64)[:, None].expand(rows, groups)
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _U32, (seed >> 32) & _U32
+    for _ in range(10):
+        hi_b, lo_b = _mulhilo(c2, 0xCD9E8D57)
+        hi_a, lo_a = _mulhilo(c0, 0xD2511F53)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + 0x9E3779B9) & _U32, (k1 + 0xBB67AE85) & _U32
+    words = torch.stack((c0, c1, c2, c3), dim=-1).reshape(rows, groups * 4)[:, :cols]
+    return words >= threshold
+
+
+def _keep_mask(x: Tensor, p: float, seed: Tensor) -> Tensor:
+    rows = x.numel() // x.shape[-1]
+    return philox_keep(rows, x.shape[-1], p, int(seed.reshape(-1)[0])).reshape(x.shape).to(x.device)
+
+
+def _reference_forward(x, residual, weight, bias, seed, eps, p, store_h):
+    h = x
+    if p > 0:
+        _, scale = _dropout_constants(p)
+        scaled = (x.float() * torch.tensor(scale, dtype=torch.float32)).to(x.dtype)
+        h = torch.where(_keep_mask(x, p, seed), scaled, torch.zeros((), dtype=x.dtype))
+    if residual is not None:
+        h = h + residual
+    hf = h.float()
+    mean = hf.mean(-1, keepdim=True)
+    rstd = torch.rsqrt((hf - mean).pow(2).mean(-1, keepdim=True) + eps)
+    y = (hf - mean) * rstd
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype), (h if store_h else None), mean.squeeze(-1), rstd.squeeze(-1)
+
+
+def _reference_backward(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual):
+    xhat = (h.float() - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    g = dy.float() if weight is None else dy.float() * weight.float()
+    total = rstd.unsqueeze(-1) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    if dh is not None:
+        total = total + dh.float()
+    dresidual = total.to(h.dtype)
+    dx = dresidual
+    if p > 0:
+        _, scale = _dropout_constants(p)
+        scaled = (dresidual.float() * torch.tensor(scale, dtype=torch.float32)).to(h.dtype)
+        dx = torch.where(_keep_mask(h, p, seed), scaled, torch.zeros((), dtype=h.dtype))
+    dweight = (_rows(dy.float()) * _rows(xhat)).sum(0).to(weight.dtype) if need_dweight else None
+    dbias = _rows(dy.float()).sum(0).to(bias.dtype) if need_dbias else None
+    return dx, (dresidual if need_dresidual else None), dweight, dbias
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernels
+
+
+def _kernel_forward(x, residual, weight, bias, seed, eps, p, store_h):
+    from fusionpass.kernels.layer_norm import layer_norm_fwd
+
+    return layer_norm_fwd(x, residual, weight, bias, eps, p=p, seed=seed, store_h=store_h)
+
+
+def _kernel_backward(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual):
+    from fusionpass.kernels.layer_norm import layer_norm_bwd
+
+    return layer_norm_bwd(
+        dy, dh, h, mean, rstd, weight, bias, p=p, seed=seed, need_dweight=need_dweight,
+        need_dbias=need_dbias, need_dresidual=need_dresidual,
+    )
+
+
+def _forward_outputs(x, y, h, mean, rstd):
+    """Fix the output contract: contiguous y, a fresh h (the kernel hands back x itself when there
+    is nothing to add or drop: an output must not alias an input), stats shaped like x's rows."""
+    if h is None:
+        h = _none(x)
+    elif h is x:
+        h = x.clone(memory_format=torch.contiguous_format)
+    rows = x.shape[:-1]
+    return y.contiguous(), h.contiguous(), mean.reshape(rows), rstd.reshape(rows)
+
+
+def _backward_outputs(h, dx, dresidual, dweight, dbias):
+    # with p == 0 the kernel returns dx itself as dresidual; autograd reuses dx (need_dresidual is
+    # only asked for with p > 0), so this never returns two views of one tensor
+    if dresidual is dx:
+        dresidual = dx.clone()
+    return (
+        dx.view(h.shape),
+        _none(h) if dresidual is None else dresidual.view(h.shape),
+        _none(h) if dweight is None else dweight,
+        _none(h) if dbias is None else dbias,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# host ops: CPU tensors go through opaque custom ops, because Inductor cannot trace a Triton
+# kernel that runs under the interpreter.
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@torch.library.custom_op("fusionpass::layer_norm_forward_host", mutates_args=())
+def _forward_host(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    seed: Tensor | None,
+    eps: float,
+    p: float,
+    store_h: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    impl = _kernel_forward if _interpreting() else _reference_forward
+    y, h, mean, rstd = impl(x, residual, weight, bias, seed, eps, p, store_h)
+    return _forward_outputs(x, y, h, mean, rstd)
+
+
+@_forward_host.register_fake
+def _(x, residual, weight, bias, seed, eps, p, store_h):
+    stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return _empty(x), (_empty(x) if store_h else _none(x)), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("fusionpass::layer_norm_backward_host", mutates_args=())
+def _backward_host(
+    dy: Tensor,
+    dh: Tensor | None,
+    h: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    seed: Tensor | None,
+    p: float,
+    need_dweight: bool,
+    need_dbias: bool,
+    need_dresidual: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    impl = _kernel_backward if _interpreting() else _reference_backward
+    args = (dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual)
+    return _backward_outputs(h, *impl(*args))
+
+
+@_backward_host.register_fake
+def _(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual):
+    return (
+        _empty(h),
+        _empty(h) if need_dresidual else _none(h),
+        torch.empty_like(weight) if need_dweight else _none(h),
+        torch.empty_like(bias) if need_dbias else _none(h),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# public ops: triton_ops, so that on CUDA torch.compile traces into them and Inductor launches the
+# kernels from its generated code (as opaque custom ops, Python dispatch cost as much host time as
+# the rms_norm kernel itself on the H200, see ops/rms_norm.py).
+
+
+def _check_dropout(p: float, seed: Tensor | None) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if p > 0 and seed is None:
+        raise ValueError("dropout with p > 0 needs a seed tensor")
+
+
+@torch.library.triton_op("fusionpass::layer_norm_dropout_residual", mutates_args=())
+def layer_norm_dropout_residual(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    seed: Tensor | None,
+    eps: float,
+    p: float,
+    store_h: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_dropout(p, seed)
+    if x.device.type != "cuda":
+        return _forward_host(x, residual, weight, bias, seed, eps, p, store_h)
+    return _forward_outputs(x, *_kernel_forward(x, residual, weight, bias, seed, eps, p, store_h))
+
+
+@torch.library.triton_op("fusionpass::layer_norm_dropout_residual_backward", mutates_args=())
+def layer_norm_dropout_residual_backward(
+    dy: Tensor,
+    dh: Tensor | None,
+    h: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    seed: Tensor | None,
+    p: float,
+    need_dweight: bool,
+    need_dbias: bool,
+    need_dresidual: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    need_dweight = need_dweight and weight is not None
+    need_dbias = need_dbias and bias is not None
+    need_dresidual = need_dresidual and p > 0
+    args = (dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual)
+    if dy.device.type != "cuda":
+        return _backward_host(*args)
+    return _backward_outputs(h, *_kernel_backward(*args))
+
+
+def _setup(ctx, inputs, output):
+    _, residual, weight, bias, seed, _, p, store_h = inputs
+    _, h, mean, rstd = output
+    if not store_h:
+        # the pattern stores h whenever the LayerNorm's output requires grad
+        raise RuntimeError("layer_norm_dropout_residual: differentiated with store_h=False")
+    ctx.save_for_backward(h, mean, rstd, weight, bias, seed)
+    ctx.p = p
+    ctx.has_residual = residual is not None
+    # Outputs nobody differentiates (h where the residual stream ends, mean, rstd) arrive as None
+    # instead of zero tensors: the kernel then skips that term.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, dh, _dmean, _drstd):
+    h, mean, rstd, weight, bias, seed = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if dy is None and dh is None:
+        return (None,) * 8
+    if dy is None:
+        dy = torch.zeros_like(h)
+    need_dweight = weight is not None and needs[2]
+    need_dbias = bias is not None and needs[3]
+    need_dresidual = ctx.has_residual and needs[1] and ctx.p > 0
+    dx, dresidual, dweight, dbias = torch.ops.fusionpass.layer_norm_dropout_residual_backward(
+        dy, dh, h, mean, rstd, weight, bias, seed, ctx.p, need_dweight, need_dbias, need_dresidual
+    )
+    if ctx.has_residual and needs[1]:
+        # without dropout the two gradients are one tensor (the add's backward)
+        dres = dresidual if ctx.p > 0 else dx
+    else:
+        dres = None
+    return (
+        dx if needs[0] else None,
+        dres,
+        dweight if need_dweight else None,
+        dbias if need_dbias else None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+layer_norm_dropout_residual.register_autograd(_backward, setup_context=_setup)

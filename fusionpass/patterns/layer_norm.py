@@ -1,0 +1,475 @@
+"""layer_norm_dropout_residual: "dropout, add the residual, LayerNorm" as model families write it.
+
+The match starts at the LayerNorm (`F.layer_norm` / `torch.layer_norm`) and reads its input h:
+    dropout_residual   h = dropout(x) + r   (either order; BERT/RoBERTa/ELECTRA output blocks,
+                                             GPT-2/GPT-NeoX/OPT pre-LN blocks, BLOOM/Falcon's
+                                             inlined `dropout_add(x, residual, p, training)`)
+    residual           h = x + r            (the same blocks in eval(), or with dropout p == 0)
+    dropout            h = dropout(x)       (GPT-2/GPT-NeoX: the dropped embeddings read by the first
+                                             layer's LayerNorm and kept as the first residual)
+Where h has other users (pre-LN blocks: the next residual; GPT-NeoX/Falcon: a second LayerNorm) the
+kernel returns it; where h is private (BERT's post-LN) it is never written in inference. h may
+reach the LayerNorm through views that keep the last dimension (OPT flattens to [B*S, W] and back);
+the same views are replayed on y.
+
+What the Dynamo graph looks like (transformers 5.17, torch 2.13): dropout stays in eval graphs as
+`F.dropout(x, p, False, False)` (Falcon/BLOOM pass `p=`/`training=` as keywords); such dropouts,
+and those with a constant p == 0, are identities and are read through. Under `dynamic=True` p and
+eps arrive as SymFloats from `.item()`: they are passed to the op, whose float arguments make Dynamo
+specialize them (one restart of the analysis, as for rms_norm's eps). An active dropout gets a seed
+node `torch.randint(0, 2**62, (1,))` of its own (a fresh draw per call and per LayerNorm, lowered
+by Inductor onto its RNG), which the backward reuses to regenerate the mask.
+
+Left alone, silently: a LayerNorm of anything else (embedding sums with a broadcast position
+embedding, outputs of another LayerNorm, graph inputs): with nothing to add or drop the kernel is
+a plain LayerNorm, which Inductor already generates.
+
+Parallel residual blocks (GPT-NeoX with use_parallel_residual, GPT-J, Falcon): the residual stream
+is h = (attn + mlp) + r, or h = r + dropout(attn + mlp) (Falcon), and GPT-NeoX reads h with two
+LayerNorms. The kernel adds one tensor to the residual, so fusing the outer add would make Inductor
+write the inner sum attn + mlp to memory and the kernel read it back -- two full passes that
+Inductor's own norm kernel, which fuses the whole sum, does not pay. Re-associating to
+attn + (mlp + r) would change the bf16/fp16 rounding. These are near misses
+("parallel_residual: ..."). The first GPT-NeoX layer's LayerNorms read dropout(embeddings): the
+first one fuses it (`dropout`, h returned), the second reads that h.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from fusionpass import registry
+from fusionpass.patterns import graph as g
+from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
+
+_LAYER_NORMS = (F.layer_norm, torch.layer_norm)
+_DROPOUTS = (F.dropout, torch.dropout)
+# seeds are drawn in [0, 2**62): non-negative int64, 62 random bits for Philox's 64-bit key
+_SEED_HIGH = 2**62
+
+# ---------------------------------------------------------------------------------------------
+# reading the graph
+
+
+def _call_args(node: fx.Node, names: tuple[str, ...], defaults: dict) -> dict | None:
+    """Positional and keyword arguments of a call by parameter name; None if unknown ones."""
+    if len(node.args) > len(names) or set(node.kwargs) - set(names):
+        return None
+    args = dict(defaults)
+    args.update(zip(names, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def _layer_norm_args(node) -> dict | None:
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _LAYER_NORMS):
+        return None
+    names = ("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable")
+    return _call_args(node, names, {"weight": None, "bias": None, "eps": 1e-5})
+
+
+def _dropout_args(node) -> dict | None:
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _DROPOUTS):
+        return None
+    if node.target is torch.dropout:
+        args = _call_args(node, ("input", "p", "train"), {})
+        if args is not None:
+            args["training"] = args.pop("train", None)
+        return args
+    return _call_args(node, ("input", "p", "training", "inplace"), {"p": 0.5, "training": True})
+
+
+class _Dropout:
+    """A dropout node: `active` when it drops in this graph (training and p != 0); `p` a Python
+    float or a SymFloat node."""
+
+    def __init__(self, node: fx.Node, args: dict):
+        self.node, self.x = node, args["input"]
+        training = args.get("training")
+        if not isinstance(training, bool):
+            raise NearMiss("dropout's training flag is not a constant")
+        ok, p = g.scalar(args.get("p"))
+        if not ok:
+            raise NearMiss("dropout probability is not a constant (a tensor)")
+        self.p = float(p) if isinstance(p, (int, float)) else p
+        self.active = training and not (isinstance(self.p, float) and self.p == 0.0)
+        if self.active and isinstance(self.p, float) and not 0.0 < self.p < 1.0:
+            raise NearMiss(f"dropout probability {self.p} is outside [0, 1)")
+        if self.active and args.get("inplace"):
+            raise NearMiss("in-place dropout (it overwrites a tensor other ops may read)")
+
+
+def _dropout(node) -> _Dropout | None:
+    args = _dropout_args(node)
+    return None if args is None else _Dropout(node, args)
+
+
+def _identity_source(node):
+    """The tensor an inactive dropout passes through, else None."""
+    d = _dropout(node)
+    return d.x if d is not None and not d.active else None
+
+
+def _view_source(node):
+    """The tensor a view/reshape regroups into rows of the same width, else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    is_view = (node.op == "call_method" and node.target in ("view", "reshape")) or (
+        node.op == "call_function" and node.target is torch.reshape
+    )
+    if not is_view:
+        return None
+    src, out = g.tensor(g.first_arg(node)), g.tensor(node)
+    if src is None or out is None or src.dim() == 0 or out.dim() == 0:
+        return None
+    if src.shape[-1] != out.shape[-1] or not src.is_contiguous():
+        return None
+    return g.first_arg(node)
+
+
+def _walk_back(node):
+    """(h, chain): h is where the LayerNorm's input comes from through views and inactive dropouts
+    (the chain, from h towards the LayerNorm)."""
+    chain = []
+    while True:
+        src = _view_source(node)
+        if src is None:
+            src = _identity_source(node)
+        if src is None:
+            return node, chain
+        chain.insert(0, node)
+        node = src
+
+
+def _strip_identities(node):
+    """(tensor, inactive dropouts read through)."""
+    skipped = []
+    while (src := _identity_source(node)) is not None:
+        skipped.append(node)
+        node = src
+    return node, skipped
+
+
+def _residual_operands(h) -> tuple | None:
+    """(a, b) if h = a + b of two tensors of h's shape (a residual add, not a broadcast bias)."""
+    if not g.is_op(h, "add"):
+        return None
+    pair = g.binary_operands(h)
+    if pair is None:
+        return None
+    ht = g.tensor(h)
+    for t in pair:
+        tt = g.tensor(t)
+        if ht is None or tt is None or tt.shape != ht.shape:
+            return None
+    return pair
+
+
+def _is_private_sum(node) -> bool:
+    """node = a + b (or a += b) of two same-shape tensors, read only by the residual add."""
+    if not isinstance(node, fx.Node) or len(node.users) != 1:
+        return False
+    if node.op == "call_function" and node.target is operator.iadd:
+        pair = node.args if len(node.args) == 2 else None
+    elif node.op == "call_method" and node.target == "add_":
+        pair = g.binary_operands(node)
+    else:
+        pair = _residual_operands(node)
+    if not pair:
+        return False
+    shapes = [getattr(g.tensor(t), "shape", None) for t in (*pair, node)]
+    return shapes[0] is not None and shapes[0] == shapes[1] == shapes[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# variants: each returns a Match or None
+
+
+def _match(ln: fx.Node, variant: str, h, chain, x, residual, dropout: _Dropout | None, skipped):
+    args = _layer_norm_args(ln)
+    ok, eps = g.scalar(args["eps"])
+    if not ok:
+        raise NearMiss("eps is a tensor, not a constant or a scalar graph input")
+    dropped = [dropout.node] if dropout is not None else []
+    return Match(
+        variant=variant,
+        anchor=ln,
+        # erased once unused, latest first
+        nodes=list(dict.fromkeys([ln, *reversed(chain), *dropped, h, *skipped])),
+        bindings={
+            "h": h,
+            "chain": chain,
+            "x": x,
+            "residual": residual,
+            "dropout": dropout,
+            "weight": args["weight"],
+            "bias": args["bias"],
+            "eps": eps,
+            "normalized_shape": args["normalized_shape"],
+            # the sum in front of the residual add, when x is one (parallel residual blocks)
+            "inner_sum": _is_private_sum(x),
+        },
+    )
+
+
+def dropout_residual_form(ln: fx.Node) -> Match | None:
+    """LayerNorm(dropout(x) + r) or LayerNorm(r + dropout(x)), the dropout active and read only
+    by the add."""
+    h, chain = _walk_back(_layer_norm_args(ln)["input"])
+    pair = _residual_operands(h)
+    if pair is None:
+        return None
+    for a, b in g.commuted(h):
+        d = _dropout(a)
+        # (b is a: the same dropped tensor added twice keeps one mask, drawn outside the kernel)
+        if d is not None and d.active and list(d.node.users) == [h] and b is not a:
+            r, skipped = _strip_identities(b)
+            return _match(ln, "dropout_residual", h, chain, d.x, r, d, skipped)
+    return None
+
+
+def residual_form(ln: fx.Node) -> Match | None:
+    """LayerNorm(x + r): inference (dropouts inactive), dropout p == 0, or a dropout output that
+    other ops also read (it stays, as a plain operand)."""
+    h, chain = _walk_back(_layer_norm_args(ln)["input"])
+    pair = _residual_operands(h)
+    if pair is None:
+        return None
+    x, skipped_x = _strip_identities(pair[0])
+    r, skipped_r = _strip_identities(pair[1])
+    if _is_private_sum(r) and not _is_private_sum(x):
+        x, r = r, x  # the operand that is a sum is the one that would be materialized
+    return _match(ln, "residual", h, chain, x, r, None, [*skipped_x, *skipped_r])
+
+
+def dropout_form(ln: fx.Node) -> Match | None:
+    """LayerNorm(dropout(x)), no residual add; the dropped tensor is often the next residual."""
+    h, chain = _walk_back(_layer_norm_args(ln)["input"])
+    d = _dropout(h)
+    if d is None or not d.active:
+        return None
+    return _match(ln, "dropout", h, chain, d.x, None, d, [])
+
+
+VARIANTS = (
+    ("dropout_residual", dropout_residual_form),
+    ("residual", residual_form),
+    ("dropout", dropout_form),
+)
+
+
+def is_candidate(node: fx.Node) -> bool:
+    """The anchor: a LayerNorm with something to fuse in front of it. A plain LayerNorm is not
+    this fusion's business (and not a near miss)."""
+    if _layer_norm_args(node) is None:
+        return False
+    try:
+        return any(search(node) is not None for _, search in VARIANTS)
+    except NearMiss:
+        return True  # recognised; the pass reports why it is left alone
+
+
+# ---------------------------------------------------------------------------------------------
+# guards
+
+
+def _width(m: Match):
+    return g.tensor(m.bindings["h"]).shape[-1]
+
+
+def device_supported(m: Match, cfg) -> str | None:
+    return g.unsupported_device(g.tensor(m.bindings["h"]), cfg)
+
+
+def dtypes_agree(m: Match, cfg) -> str | None:
+    b = m.bindings
+    dtype = g.dtype(b["x"])
+    if dtype not in g.FLOAT_DTYPES:
+        return f"input dtype {dtype} is not float32/float16/bfloat16"
+    if b["residual"] is not None and g.dtype(b["residual"]) != dtype:
+        return f"mixed dtypes: residual {g.dtype(b['residual'])}, input {dtype}"
+    for name in ("weight", "bias"):
+        p = b[name]
+        if p is None:
+            continue
+        pt = g.tensor(p)
+        if pt is None:
+            return f"{name} is not a tensor"
+        if pt.dtype not in (dtype, torch.float32):
+            return f"mixed dtypes: {name} {pt.dtype}, input {dtype} (the kernel takes {dtype} or float32)"
+    return None
+
+
+def normalizes_last_dim(m: Match, cfg) -> str | None:
+    shape = m.bindings["normalized_shape"]
+    if isinstance(shape, (list, tuple, torch.Size)) and len(shape) == 1:
+        width = g.static_int(g.value(shape[0]))
+        if width is not None and width == g.static_int(_width(m)):
+            return None
+    if isinstance(shape, (list, tuple, torch.Size)) and len(shape) > 1:
+        return f"LayerNorm over more than the last dimension (normalized_shape of {len(shape)} dims)"
+    return f"normalized_shape {shape!r} is not the static last dimension"
+
+
+def cost_rule(width: int, training: bool, cfg) -> str | None:
+    """Where the fused kernel measured faster than Inductor (see fusionpass/config.py): a reason to
+    leave the LayerNorm to Inductor, or None. `training`: the match drops or is differentiated."""
+    if training:
+        lo, hi, what = cfg.layer_norm_min_width, cfg.layer_norm_max_width, "training"
+    else:
+        lo, hi, what = cfg.layer_norm_inference_min_width, cfg.layer_norm_inference_max_width, "inference"
+    if not lo <= width <= hi:
+        return f"row width {width} outside {lo}..{hi}, where the kernel measured faster than Inductor in {what}"
+    return None
+
+
+def _training(m: Match) -> bool:
+    """An active dropout, or a LayerNorm output autograd records (not under no_grad)."""
+    return m.bindings["dropout"] is not None or bool(getattr(g.tensor(m.anchor), "requires_grad", False))
+
+
+def width_in_range(m: Match, cfg) -> str | None:
+    width = g.static_int(_width(m))
+    if width is None:
+        return "row width is symbolic (the kernel is specialized on it)"
+    return cost_rule(width, _training(m), cfg)
+
+
+def rows_contiguous(m: Match, cfg) -> str | None:
+    b = m.bindings
+    for node in (b["x"], b["residual"]):
+        if node is not None and not g.last_dim_contiguous(g.tensor(node)):
+            return f"{node.name} is not contiguous in its last dimension"
+    return None
+
+
+def intermediates_private(m: Match, cfg) -> str | None:
+    d = m.bindings["dropout"]
+    h = m.bindings["h"]
+    if d is not None and d.node is not h and set(d.node.users) != {h}:
+        return f"the dropout output {d.node.name} is used elsewhere"
+    return None
+
+
+def not_parallel_residual(m: Match, cfg) -> str | None:
+    if m.bindings["inner_sum"]:
+        return (
+            f"{m.bindings['x'].name} is a sum of two branches added to the residual (parallel "
+            "attention + MLP): fusing would write that sum to memory for the kernel to read back, "
+            "where Inductor fuses the whole sum into its own norm"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# replacement
+
+
+def _insert_seed(graph: fx.Graph, before: fx.Node, like: fx.Node) -> fx.Node:
+    """A one-element int64 seed, drawn per call (Inductor lowers randint onto its own RNG)."""
+    device = g.tensor(like).device
+    args, kwargs = (0, _SEED_HIGH, (1,)), {"device": device}
+    with graph.inserting_before(before):
+        seed = graph.call_function(torch.randint, args, kwargs)
+    mode = g.fake_mode_of([like])
+    if mode is not None:
+        with mode:
+            seed.meta["example_value"] = torch.randint(*args, **kwargs)
+    _copy_provenance(seed, like)
+    return seed
+
+
+def _copy_provenance(new: fx.Node, like: fx.Node) -> None:
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
+        if key in like.meta:
+            new.meta[key] = like.meta[key]
+
+
+def _replay(graph: fx.Graph, view: fx.Node, source: fx.Node, before: fx.Node) -> fx.Node:
+    """`view` applied to `source` instead of its own input (same sizes, symbolic ones included)."""
+    args = (source, *view.args[1:])
+    with graph.inserting_before(before):
+        new = graph.create_node(view.op, view.target, args, dict(view.kwargs))
+    mode = g.fake_mode_of([source])
+    if mode is not None:
+        fake_args = fx.node.map_arg(args, g.value)
+        fake_kwargs = fx.node.map_arg(dict(view.kwargs), g.value)
+        with mode:
+            if view.op == "call_method":
+                value = getattr(fake_args[0], view.target)(*fake_args[1:], **fake_kwargs)
+            else:
+                value = view.target(*fake_args, **fake_kwargs)
+        new.meta["example_value"] = value
+    _copy_provenance(new, view)
+    return new
+
+
+def _h_escapes(m: Match) -> bool:
+    """Whether h (or a view of it) is read by anything but the path to the LayerNorm."""
+    b = m.bindings
+    path = {*b["chain"], m.anchor}
+    return any(u not in path for n in (b["h"], *b["chain"]) for u in n.users)
+
+
+def replace(graph: fx.Graph, m: Match, cfg) -> None:
+    b = m.bindings
+    ln = m.anchor
+    dropout = b["dropout"]
+    seed, p = None, 0.0
+    if dropout is not None:
+        seed, p = _insert_seed(graph, ln, ln), dropout.p
+    escapes = _h_escapes(m)
+    # The backward needs h: store it whenever the LayerNorm is differentiated, not only when it
+    # is read elsewhere.
+    store_h = escapes or bool(getattr(g.tensor(ln), "requires_grad", False))
+    fused = g.insert_call(
+        graph,
+        ln,
+        torch.ops.fusionpass.layer_norm_dropout_residual.default,
+        (b["x"], b["residual"], b["weight"], b["bias"], seed, b["eps"], p, store_h),
+        ln,
+    )
+    y, h, _, _ = g.insert_getitems(graph, fused, 4)
+    if escapes:
+        # the views of h towards the LayerNorm now read the kernel's h; other readers too
+        b["h"].replace_all_uses_with(h)
+    for view in b["chain"]:
+        if _view_source(view) is not None:
+            y = _replay(graph, view, y, ln)
+    ln.replace_all_uses_with(y)
+    g.erase_unused(graph, m.nodes)
+
+
+LAYER_NORM_DROPOUT_RESIDUAL = registry.register(
+    Fusion(
+        name="layer_norm_dropout_residual",
+        matches=(
+            "LayerNorm of dropout(x) + residual (BERT post-LN, GPT-2/GPT-NeoX/OPT pre-LN with the "
+            "sum returned for the next residual, BLOOM/Falcon dropout_add), of x + residual "
+            "(inference, p = 0) and of dropout(x); with or without weight and bias"
+        ),
+        selected_when=(
+            "CUDA tensors, float32/float16/bfloat16 (weight and bias in the input dtype or "
+            "float32), LayerNorm over the last dimension only, constant dropout p in [0, 1), "
+            "row widths 768..8192 in training, 2048..4096 in inference (layer_norm_[inference_]min/max_width), not a "
+            "parallel-residual (three-term) sum"
+        ),
+        anchor=is_candidate,
+        variants=tuple(Variant(name, search) for name, search in VARIANTS),
+        guards=(
+            Guard("device", device_supported),
+            Guard("dtype", dtypes_agree),
+            Guard("normalized_shape", normalizes_last_dim),
+            Guard("width", width_in_range),
+            Guard("strides", rows_contiguous),
+            Guard("intermediates", intermediates_private),
+            Guard("parallel_residual", not_parallel_residual),
+        ),
+        replace=replace,
+        unmatched="LayerNorm found, but not of a dropout or a residual sum",
+        modules=("fusionpass.ops.layer_norm", "fusionpass.kernels.layer_norm"),
+    )
+)
