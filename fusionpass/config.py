@@ -53,6 +53,12 @@ class Config:
     layer_norm_max_width: int = 8192
     layer_norm_inference_min_width: int = 2048
     layer_norm_inference_max_width: int = 4096
+    # linear_cross_entropy cost rule: the smallest vocabulary fused. On the H200
+    # (benchmarks/results/2026-11-30-h200-linear_cross_entropy.md) the op won at V=128256 (D4096:
+    # 1.05x and half the extra memory; HF Llama 4L step 1.01x at 55% of the peak memory), while
+    # training steps with it at GPT-2's V=50257 and BERT's V=30522 (D768) were slower than plain
+    # torch.compile (0.95x, 0.89x with layer_norm_dropout_residual also on).
+    linear_cross_entropy_min_vocab: int = 100_000
 
     def __post_init__(self):
         unknown = set(self.fusions) - set(FUSION_NAMES)
@@ -78,7 +84,8 @@ def _split(value: str) -> list[str]:
 def from_env(base: Config | None = None, environ=os.environ) -> Config:
     """Apply FUSIONPASS_FUSIONS (comma list, replaces the set), FUSIONPASS_DISABLE (comma list,
     removed from it), FUSIONPASS_CPU (1/0), FUSIONPASS_RMS_NORM_MIN/MAX_WIDTH,
-    and FUSIONPASS_LAYER_NORM_[INFERENCE_]MIN/MAX_WIDTH over `base`."""
+    FUSIONPASS_LAYER_NORM_[INFERENCE_]MIN/MAX_WIDTH and FUSIONPASS_LINEAR_CROSS_ENTROPY_MIN_VOCAB
+    over `base`."""
     cfg = base or Config()
     if "FUSIONPASS_FUSIONS" in environ:
         cfg = cfg.replace(fusions=frozenset(_split(environ["FUSIONPASS_FUSIONS"])))
@@ -101,6 +108,9 @@ def from_env(base: Config | None = None, environ=os.environ) -> Config:
         cfg = cfg.replace(layer_norm_inference_min_width=int(environ["FUSIONPASS_LAYER_NORM_INFERENCE_MIN_WIDTH"]))
     if "FUSIONPASS_LAYER_NORM_INFERENCE_MAX_WIDTH" in environ:
         cfg = cfg.replace(layer_norm_inference_max_width=int(environ["FUSIONPASS_LAYER_NORM_INFERENCE_MAX_WIDTH"]))
+    if "FUSIONPASS_LINEAR_CROSS_ENTROPY_MIN_VOCAB" in environ:
+        value = int(environ["FUSIONPASS_LINEAR_CROSS_ENTROPY_MIN_VOCAB"])
+        cfg = cfg.replace(linear_cross_entropy_min_vocab=value)
     return cfg
 
 

@@ -6,4 +6,5 @@ MODULES = (
     "fusionpass.patterns.rms_norm",
     "fusionpass.patterns.layer_norm",
     "fusionpass.patterns.attention",
+    "fusionpass.patterns.cross_entropy",
 )
