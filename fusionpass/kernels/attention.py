@@ -1,0 +1,839 @@
+"""Triton kernels for FlashAttention-2 style attention: causal (top-left or bottom-right aligned),
+sliding window, ALiBi, key padding, attention dropout and GQA/MQA, forward and backward.
+
+Math (per batch b, query head h, kv head hk = h // (Hq // Hkv); natural-log units)
+-----------------------------------------------------------------------------------------------
+    pos_i    = i + shift,  shift = Lk - Lq for align="bottom_right", 0 for "top_left" (SDPA's
+               is_causal); Lk is the key tensor's length, also with kv_lengths
+    s_ij     = scale * q_i . k_j + bias_ij,  scale = 1 / sqrt(D) unless given
+    bias_ij  = -slope_h * (pos_i - j)        (ALiBi; alibi_symmetric: -slope_h * |pos_i - j|)
+    visible  = (j < Lk) & (not causal or j <= pos_i) & (no window or j > pos_i - window)
+               & key_padding[b, j] & (j < kv_lengths[b])
+    lse_i    = log sum_{visible j} exp(s_ij)                  (fp32, natural log)
+    P_ij     = exp(s_ij - lse_i) where visible, else 0
+    out_i    = sum_j P_ij * Z_ij * v_j,   Z_ij = keep_ij * fp32(1 / fp32(1 - p))   (Z = 1 without dropout)
+Backward (D_i = rowsum(dout_i * out_i), which equals sum_j P_ij * dP_ij):
+    dP_ij = Z_ij * (dout_i . v_j),  dS_ij = P_ij * (dP_ij - D_i)
+    dq_i = scale * sum_j dS_ij k_j,  dk_j = scale * sum_{i in group} dS_ij q_i,
+    dv_j = sum_{i in group} P_ij Z_ij dout_i
+ALiBi: the signed form is BLOOM's `slope * j` bias and MPT's default (`slope * (j - (L - 1))`) up to
+a constant per query row, which softmax ignores, so the three give the same attention with or
+without causal masking; the symmetric form is MPT's bidirectional (`full`) one. The slopes are
+per query head, fp32, read in the kernel; no bias tensor exists.
+
+A query row that sees no key at all (all keys padded, kv_lengths 0, or a bottom-right row with
+pos_i < 0) gets out = 0 and lse = EMPTY_LSE = 1e30: finite, and large enough that exp(s - lse)
+underflows to 0 for any score, so the backward gives such rows zero gradients even where it did
+not mask them (-inf would make exp(-inf - -inf) NaN). Combine partial results (split-KV) only
+after mapping EMPTY_LSE to -inf.
+
+FA2 structure. Forward: one program per (query block, batch * query head), online softmax in fp32
+in base 2 (scores pre-multiplied by log2(e); exp2) with the normalization deferred to the end.
+Key blocks are split into three ranges: blocks left of the window for some row of the query block
+(element masks), blocks every row sees whole (no element mask; only key_padding, when given), and
+the diagonal / window-less tail blocks (element masks). Blocks above the diagonal and blocks left
+of every row's window are never visited. Backward: `_bwd_pre_kernel` computes D; `_bwd_dkdv_kernel`
+runs one program per (key block, batch * kv head), loops over the query heads of its group and
+over the query blocks that see the key block (same three-range split), and accumulates dk and dv
+in registers, written once: no atomics; `_bwd_dq_kernel` runs one program per (query block,
+batch * query head) over the key blocks, as the forward. Scores in the dK/dV kernel are kept
+transposed ([keys, queries]) so that dv += P^T dout and dk += dS^T q need no register transpose.
+The probabilities (P Z, dS) are rounded to the input dtype before their matmuls, as FA2 does.
+
+Dropout RNG (no mask tensor is ever stored)
+-------------------------------------------
+The keep bit of (b, h, i, j) is layer_norm's keep bit of row r = (b * Hq + h) * Lq + i (mod 2**32),
+column j, with the same `_keep` (Philox4x32-10 via tl.philox_impl, key = seed, counter =
+(j // 4, r, offset lo, offset hi)) and the same threshold: kept iff u32 >= round(p * 2**32).
+It is a function of (seed, offset, b, h, i, j, Hq, Lq) only, not of block sizes or launch knobs,
+so the forward, both backward kernels and `attention_dropout_mask` (tests) see the same bits.
+Rows repeat only past 2**32 query rows per call (B * Hq * Lq), far beyond any tensor that fits.
+As with layer_norm: pass a fresh seed per call (a one-element int64 tensor inside traced code) or
+distinct offsets, and do not share a (seed, offset) pair between an attention and a layer_norm
+dropout (their streams coincide).
+
+Layouts: q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] with any strides (passed to the kernels; the
+transposes of [B, L, H, D] tensors that HF models produce need no copy). out is [B, Hq, Lq, D]
+contiguous, or any [B, Hq, Lq, D] view passed as `out` (e.g. `torch.empty(B, Lq, Hq, D)
+.transpose(1, 2)` for token-major output). lse is [B, Hq, Lq] fp32 contiguous. dq/dk/dv have the
+inputs' dtype and, where the input is dense, its strides (`torch.empty_like`).
+
+Every kernel runs compiled on CUDA and unchanged under TRITON_INTERPRET=1 on CPU tensors (there,
+tiles are converted to fp32 after each load, and rounding to bf16 is done explicitly; see
+common._round). Launches take no host syncs and their grids depend on shapes only (CUDA graphs).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fusionpass.kernels.common import _device_guard, _for_store, _launcher, _round
+from fusionpass.kernels.layer_norm import (
+    _RNG_ARGS,
+    _keep,
+    _rng_args,
+    _rng_key,
+    dropout_mask,
+)
+
+__all__ = ["EMPTY_LSE", "HEAD_DIMS", "attention_bwd", "attention_dropout_mask", "attention_fwd"]
+
+HEAD_DIMS = (64, 80, 96, 128, 256)
+# lse of a query row that sees no key (see the module docstring).
+EMPTY_LSE = 1e30
+_EMPTY = tl.constexpr(EMPTY_LSE)
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_NO_SPEC = ["Lq", "Lk", "window", *_RNG_ARGS]
+
+# Launch defaults for sm_90 by padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages). First
+# guesses, not yet measured. Forward and dQ: BLOCK_M query rows per program, BLOCK_N keys per step.
+# dK/dV: BLOCK_N keys per program (dk and dv accumulators: 2 * BLOCK_N * D fp32), BLOCK_M query
+# rows per step.
+_FWD_CFG = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)}
+_DKDV_CFG = {64: (32, 128, 4, 3), 128: (32, 128, 8, 2), 256: (16, 64, 8, 2)}
+_DQ_CFG = {64: (128, 32, 4, 3), 128: (128, 32, 8, 2), 256: (64, 32, 8, 2)}
+_PRE_BLOCK_M = 64
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared jitted helpers
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _load(ptrs, mask, INTERP: tl.constexpr):
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if INTERP:
+        # the interpreter keeps bf16 as raw uint16: compute in fp32 there
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_kv(ptrs, cols, kv_end, d_ok, MASKED: tl.constexpr, EVEN_D: tl.constexpr, INTERP: tl.constexpr):
+    """A [BLOCK_N, BLOCK_D] key/value tile: masked on keys only in MASKED blocks (where the keys may
+    run past kv_end <= Lk; zeros there, as garbage could be NaN), on the padded head dim unless EVEN_D."""
+    if MASKED:
+        x = tl.load(ptrs, mask=(cols < kv_end)[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    if INTERP:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _mm_operand(x, DT: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 tile x as a matmul operand of the input dtype (fp32 rounded values under the interpreter)."""
+    if INTERP:
+        out = _round(x, DT, True)
+    else:
+        out = x.to(DT)
+    return out
+
+
+@triton.jit
+def _scores(s, pos, col, kv_end, window, slope2, kp,
+            CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
+            HAS_KPM: tl.constexpr, MASKED: tl.constexpr):
+    """Base-2 scores s (scaled) with the ALiBi bias added and the invisible entries at -inf. pos
+    (query positions), col (key indices) and kp (key kept by key_padding) are broadcastable tiles."""
+    if ALIBI:
+        d = (pos - col).to(tl.float32)
+        if ALIBI_SYM:
+            d = tl.abs(d)
+        s = s - slope2 * d
+    if MASKED:
+        valid = col < kv_end
+        if CAUSAL:
+            valid = valid & (col <= pos)
+        if WINDOWED:
+            valid = valid & (col > pos - window)
+        if HAS_KPM:
+            valid = valid & kp
+        s = tl.where(valid, s, float("-inf"))
+    elif HAS_KPM:
+        s = tl.where(kp, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _key_ranges(m0, row_end, shift, kv_end, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Key ranges of the query rows [m0, row_end): [lo, full_lo) and [full_hi, hi) need element
+    masks, [full_lo, full_hi) is seen whole by every row. All but hi are multiples of BLOCK_N."""
+    hi = kv_end
+    full_hi = kv_end
+    if CAUSAL:
+        hi = tl.minimum(hi, row_end + shift)              # last row's position + 1
+        full_hi = tl.minimum(full_hi, m0 + shift + 1)     # first row's position + 1
+    full_hi = tl.maximum(full_hi, 0) // BLOCK_N * BLOCK_N
+    lo = hi * 0
+    full_lo = hi * 0
+    if WINDOWED:
+        lo = tl.maximum(m0 + shift - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = (tl.maximum(row_end + shift - window, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_ranges(n0, Lq, shift, kv_end, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query ranges that see keys [n0, n0 + BLOCK_N): [lo, full_lo) and [full_hi, hi) need element
+    masks, [full_lo, full_hi) sees the whole key block. All but hi are multiples of BLOCK_M."""
+    hi = Lq + n0 * 0
+    lo = n0 * 0
+    full_lo = n0 * 0
+    full_hi = hi
+    if CAUSAL:
+        lo = tl.maximum(n0 - shift, 0) // BLOCK_M * BLOCK_M           # first row seeing key n0
+        full_lo = (tl.maximum(n0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    if WINDOWED:
+        hi = tl.minimum(hi, tl.maximum(n0 + BLOCK_N - 1 + window - shift, 0))  # last row + 1
+        full_hi = tl.maximum(n0 + window - shift, 0) // BLOCK_M * BLOCK_M
+    # a block past the valid keys is skipped; one that straddles their end is masked throughout
+    hi = tl.where(n0 < kv_end, hi, lo)
+    full_hi = tl.where(n0 + BLOCK_N <= kv_end, full_hi, 0)
+    full_lo = tl.maximum(tl.minimum(full_lo, hi), lo)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _dropout_rows(bh, Lq, rows):
+    """Philox row counter of query rows `rows` of (batch * head) bh: (bh * Lq + row) mod 2**32, int32."""
+    return (bh.to(tl.int64) * Lq + rows).to(tl.int32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, skn, skd, svn, svd, skpn,
+               start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2,
+               drop_rows, k0, k1, o0, o1, thr,
+               CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
+               HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+               DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + offs_n
+        k = _load_kv(k_base + cols[:, None] * skn + offs_d[None, :] * skd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if HAS_KPM:
+            kp = tl.load(kp_base + cols * skpn, mask=cols < kv_end, other=0) != 0
+        else:
+            kp = None
+        s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, kp[None, :] if HAS_KPM else None,
+                    CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, MASKED)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED or HAS_KPM:
+            # rows with nothing visible yet: exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            keep = _keep(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p, 0.0)
+        v = _load_kv(v_base + cols[:, None] * svn + offs_d[None, :] * svd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
+        acc = acc * alpha[:, None] + tl.dot(_mm_operand(p, DT, INTERP), v, input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _fwd_kernel(
+    Q, K, V, O, LSE, SLOPES, KPM, KVLEN, SEED,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, skpb, skpn,
+    Hq, Lq, Lk, GROUP, num_m, qk_scale, window, drop_scale,
+    seed_lo, seed_hi, off_lo, off_hi, thr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
+    ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KVLEN: tl.constexpr, DROPOUT: tl.constexpr,
+    SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+):
+    DT: tl.constexpr = Q.dtype.element_ty
+    EVEN_D: tl.constexpr = D == BLOCK_D
+    # torch.compile passes Python floats as fp64 scalars; the math is fp32, in base 2.
+    qk_scale = tl.cast(qk_scale, tl.float32) * _LOG2E
+    drop_scale = tl.cast(drop_scale, tl.float32)
+    if DROPOUT:
+        k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
+    else:
+        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
+    pid = tl.program_id(0)
+    pid_m = pid % num_m
+    bh = pid // num_m
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    row_ok = offs_m < Lq
+    if BOTTOM_RIGHT:
+        shift = Lk - Lq
+    else:
+        shift = 0
+    pos = offs_m + shift
+    row_end = tl.minimum(m0 + BLOCK_M, Lq)
+
+    b64 = b.to(tl.int64)
+    q = _load(Q + b64 * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+              row_ok[:, None] & d_ok[None, :], INTERP)
+    k_base = K + b64 * skb + hk.to(tl.int64) * skh
+    v_base = V + b64 * svb + hk.to(tl.int64) * svh
+    kp_base = KPM + b64 * skpb
+    if ALIBI:
+        slope2 = tl.load(SLOPES + h) * _LOG2E
+    else:
+        slope2 = 0.0
+    if HAS_KVLEN:
+        kv_end = tl.maximum(tl.minimum(tl.load(KVLEN + b), Lk), 0)
+    else:
+        kv_end = Lk
+    drop_rows = _dropout_rows(bh, Lq, offs_m)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _key_ranges(m0, row_end, shift, kv_end, window, CAUSAL, WINDOWED, BLOCK_N)
+    if WINDOWED:
+        acc, l_i, m_i = _fwd_steps(
+            acc, l_i, m_i, q, k_base, v_base, kp_base, skn, skd, svn, svd, skpn, lo, full_lo, pos, offs_n,
+            offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t,
+            CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_steps(
+        acc, l_i, m_i, q, k_base, v_base, kp_base, skn, skd, svn, svd, skpn, full_lo, full_hi, pos, offs_n,
+        offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t,
+        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, False, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_steps(
+        acc, l_i, m_i, q, k_base, v_base, kp_base, skn, skd, svn, svd, skpn, full_hi, hi, pos, offs_n,
+        offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t,
+        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+
+    empty = l_i == 0.0  # (a row with a visible key has l >= 1: its maximum contributes exp2(0))
+    l_safe = tl.where(empty, 1.0, l_i)
+    if DROPOUT:
+        out = acc * (drop_scale / l_safe)[:, None]
+    else:
+        out = acc / l_safe[:, None]
+    lse = tl.where(empty, _EMPTY, (m_i + tl.math.log2(l_safe)) * _LN2)
+    OUT_DT: tl.constexpr = O.dtype.element_ty
+    tl.store(O + b64 * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
+             _for_store(out, OUT_DT, INTERP), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_pre_kernel(O, DO, DELTA, sob, soh, som, sod, sdob, sdoh, sdom, sdod, Hq, Lq, num_m,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    # delta[b, h, i] = sum_d dout * out (fp32)
+    pid = tl.program_id(0)
+    pid_m = pid % num_m
+    bh = pid // num_m
+    b = (bh // Hq).to(tl.int64)
+    h = (bh % Hq).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < Lq)[:, None] & (offs_d < D)[None, :]
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, mask=mask, other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
+
+
+@triton.jit
+def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod,
+                start, end, n0, cols, kp, offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2,
+                drop_scale, bh, k0, k1, o0, o1, thr,
+                CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
+                HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
+                DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Transposed tiles: [BLOCK_N keys, BLOCK_M queries]; n0 is the key block's first column.
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + offs_m
+        r_ok = rows < Lq
+        mask = r_ok[:, None] & d_ok[None, :]
+        q = _load(q_base + rows[:, None] * sqm + offs_d[None, :] * sqd, mask, INTERP)
+        do = _load(do_base + rows[:, None] * sdom + offs_d[None, :] * sdod, mask, INTERP)
+        # rows past Lq: lse = EMPTY gives P = 0 whatever their (zero) q scores against the bias
+        lse2 = tl.load(lse_base + rows, mask=r_ok, other=_EMPTY) * _LOG2E
+        delta = tl.load(delta_base + rows, mask=r_ok, other=0.0)
+        sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+        sT = _scores(sT, (rows + shift)[None, :], cols[:, None], kv_end, window, slope2,
+                     kp[:, None] if HAS_KPM else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, MASKED)
+        pT = tl.math.exp2(sT - lse2[None, :])
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        if DROPOUT:
+            keepT = tl.trans(_keep(k0, k1, o0, o1, thr, _dropout_rows(bh, Lq, rows), n0,
+                                   BLOCK_M, BLOCK_N))
+            pdT = tl.where(keepT, pT * drop_scale, 0.0)
+            dpT = tl.where(keepT, dpT * drop_scale, 0.0)
+        else:
+            pdT = pT
+        dv += tl.dot(_mm_operand(pdT, DT, INTERP), do, input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(_mm_operand(dsT, DT, INTERP), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, KPM, KVLEN, SEED,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
+    Hq, Hkv, Lq, Lk, GROUP, num_n, sm_scale, window, drop_scale,
+    seed_lo, seed_hi, off_lo, off_hi, thr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
+    ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KVLEN: tl.constexpr, DROPOUT: tl.constexpr,
+    SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+):
+    DT: tl.constexpr = Q.dtype.element_ty
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    qk_scale = sm_scale * _LOG2E
+    drop_scale = tl.cast(drop_scale, tl.float32)
+    if DROPOUT:
+        k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
+    else:
+        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
+    pid = tl.program_id(0)
+    pid_n = pid % num_n
+    bhk = pid // num_n
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    if BOTTOM_RIGHT:
+        shift = Lk - Lq
+    else:
+        shift = 0
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    kv_mask = (cols < Lk)[:, None] & d_ok[None, :]
+    k = _load(K + b64 * skb + hk64 * skh + cols[:, None] * skn + offs_d[None, :] * skd, kv_mask, INTERP)
+    v = _load(V + b64 * svb + hk64 * svh + cols[:, None] * svn + offs_d[None, :] * svd, kv_mask, INTERP)
+    if HAS_KVLEN:
+        kv_end = tl.maximum(tl.minimum(tl.load(KVLEN + b), Lk), 0)
+    else:
+        kv_end = Lk
+    if HAS_KPM:
+        kp = tl.load(KPM + b64 * skpb + cols * skpn, mask=cols < kv_end, other=0) != 0
+    else:
+        kp = None
+    lo, full_lo, full_hi, hi = _query_ranges(n0, Lq, shift, kv_end, window, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # the query heads of this kv head, one after the other: dk/dv sum over the group in registers
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh = b * Hq + h
+        h64 = h.to(tl.int64)
+        q_base = Q + b64 * sqb + h64 * sqh
+        do_base = DO + b64 * sdob + h64 * sdoh
+        lse_base = LSE + bh.to(tl.int64) * Lq
+        delta_base = DELTA + bh.to(tl.int64) * Lq
+        if ALIBI:
+            slope2 = tl.load(SLOPES + h) * _LOG2E
+        else:
+            slope2 = 0.0
+        if CAUSAL:
+            dk, dv = _dkdv_steps(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, lo, full_lo, n0, cols, kp,
+                offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
+                k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, True, DT, INTERP, PREC,
+                BLOCK_M, BLOCK_N)
+        dk, dv = _dkdv_steps(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, full_lo, full_hi, n0, cols, kp,
+            offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
+            k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, False, DT, INTERP, PREC,
+            BLOCK_M, BLOCK_N)
+        dk, dv = _dkdv_steps(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, full_hi, hi, n0, cols, kp,
+            offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
+            k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, True, DT, INTERP, PREC,
+            BLOCK_M, BLOCK_N)
+    dk = dk * sm_scale
+    GRAD_DT: tl.constexpr = DK.dtype.element_ty
+    tl.store(DK + b64 * sdkb + hk64 * sdkh + cols[:, None] * sdkn + offs_d[None, :] * sdkd,
+             _for_store(dk, GRAD_DT, INTERP), mask=kv_mask)
+    tl.store(DV + b64 * sdvb + hk64 * sdvh + cols[:, None] * sdvn + offs_d[None, :] * sdvd,
+             _for_store(dv, GRAD_DT, INTERP), mask=kv_mask)
+
+
+@triton.jit
+def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, skn, skd, svn, svd, skpn,
+              start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale,
+              drop_rows, k0, k1, o0, o1, thr,
+              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
+              HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+              DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + offs_n
+        k = _load_kv(k_base + cols[:, None] * skn + offs_d[None, :] * skd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
+        v = _load_kv(v_base + cols[:, None] * svn + offs_d[None, :] * svd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if HAS_KPM:
+            kp = tl.load(kp_base + cols * skpn, mask=cols < kv_end, other=0) != 0
+        else:
+            kp = None
+        s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, kp[None, :] if HAS_KPM else None,
+                    CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, MASKED)
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        if DROPOUT:
+            keep = _keep(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(_mm_operand(ds, DT, INTERP), k, input_precision=PREC)
+    return dq
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, SLOPES, KPM, KVLEN, SEED,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+    sdqb, sdqh, sdqm, sdqd, skpb, skpn,
+    Hq, Lq, Lk, GROUP, num_m, sm_scale, window, drop_scale,
+    seed_lo, seed_hi, off_lo, off_hi, thr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
+    ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KVLEN: tl.constexpr, DROPOUT: tl.constexpr,
+    SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+):
+    DT: tl.constexpr = Q.dtype.element_ty
+    EVEN_D: tl.constexpr = D == BLOCK_D
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    qk_scale = sm_scale * _LOG2E
+    drop_scale = tl.cast(drop_scale, tl.float32)
+    if DROPOUT:
+        k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
+    else:
+        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
+    pid = tl.program_id(0)
+    pid_m = pid % num_m
+    bh = pid // num_m
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    row_ok = offs_m < Lq
+    if BOTTOM_RIGHT:
+        shift = Lk - Lq
+    else:
+        shift = 0
+    pos = offs_m + shift
+    row_end = tl.minimum(m0 + BLOCK_M, Lq)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    mask = row_ok[:, None] & d_ok[None, :]
+    q = _load(Q + b64 * sqb + h64 * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask, INTERP)
+    do = _load(DO + b64 * sdob + h64 * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod, mask, INTERP)
+    lse2 = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=_EMPTY) * _LOG2E
+    delta = tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=0.0)
+    k_base = K + b64 * skb + hk.to(tl.int64) * skh
+    v_base = V + b64 * svb + hk.to(tl.int64) * svh
+    kp_base = KPM + b64 * skpb
+    if ALIBI:
+        slope2 = tl.load(SLOPES + h) * _LOG2E
+    else:
+        slope2 = 0.0
+    if HAS_KVLEN:
+        kv_end = tl.maximum(tl.minimum(tl.load(KVLEN + b), Lk), 0)
+    else:
+        kv_end = Lk
+    drop_rows = _dropout_rows(bh, Lq, offs_m)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _key_ranges(m0, row_end, shift, kv_end, window, CAUSAL, WINDOWED, BLOCK_N)
+    if WINDOWED:
+        dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, skn, skd, svn, svd, skpn, lo, full_lo,
+                       pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale, drop_rows,
+                       k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, True, EVEN_D,
+                       DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+    dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, skn, skd, svn, svd, skpn, full_lo, full_hi,
+                   pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale, drop_rows,
+                   k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, False, EVEN_D,
+                   DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+    dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, skn, skd, svn, svd, skpn, full_hi, hi,
+                   pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale, drop_rows,
+                   k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, True, EVEN_D,
+                   DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+    dq = dq * sm_scale
+    GRAD_DT: tl.constexpr = DQ.dtype.element_ty
+    tl.store(DQ + b64 * sdqb + h64 * sdqh + offs_m[:, None] * sdqm + offs_d[None, :] * sdqd,
+             _for_store(dq, GRAD_DT, INTERP), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+class _Opts:
+    """Checked options shared by the forward and the backward (attributes set by `_options`)."""
+
+
+def _check_4d(t, name):
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        raise ValueError(f"{name} must be a 4-D tensor [B, H, L, D]")
+
+
+def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, kv_lengths,
+             dropout_p, seed, offset, align) -> _Opts:
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check_4d(t, name)
+    B, Hq, Lq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in batch or head dim")
+    Hkv, Lk = k.shape[1], k.shape[2]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the kv heads ({Hkv})")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head dim {D} not supported (supported: {HEAD_DIMS})")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {q.dtype} (fp16, bf16, fp32)")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    dev = q.device
+    if k.device != dev or v.device != dev:
+        raise ValueError("q, k and v must be on one device")
+    o = _Opts()
+    o.B, o.Hq, o.Hkv, o.Lq, o.Lk, o.D, o.group = B, Hq, Hkv, Lq, Lk, D, Hq // Hkv
+    o.scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    o.causal = bool(causal)
+    if window is not None:
+        if not o.causal:
+            raise ValueError("a sliding window needs causal=True")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
+    o.window = window
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+    o.bottom_right = align == "bottom_right"
+    if alibi_slopes is not None:
+        if alibi_slopes.shape != (Hq,) or not alibi_slopes.is_floating_point() or alibi_slopes.device != dev:
+            raise ValueError(f"alibi_slopes must be a float tensor of shape [{Hq}] on the inputs' device")
+        alibi_slopes = alibi_slopes.to(torch.float32).contiguous()
+    o.slopes = alibi_slopes
+    o.alibi_sym = bool(alibi_symmetric)
+    if key_padding is not None:
+        if key_padding.shape != (B, Lk) or key_padding.dtype != torch.bool or key_padding.device != dev:
+            raise ValueError(f"key_padding must be a bool tensor of shape [{B}, {Lk}] on the inputs' device")
+        key_padding = key_padding.view(torch.uint8)
+    o.kpm = key_padding
+    if kv_lengths is not None:
+        if (kv_lengths.shape != (B,) or kv_lengths.dtype not in (torch.int32, torch.int64)
+                or kv_lengths.device != dev):
+            raise ValueError(f"kv_lengths must be an int32 tensor of shape [{B}] on the inputs' device")
+        kv_lengths = kv_lengths.to(torch.int32).contiguous()
+    o.kvlen = kv_lengths
+    o.rng = _rng_args(dropout_p, seed, offset, dev)
+    o.dropout = float(dropout_p) > 0.0
+    o.interp = dev.type != "cuda"
+    o.prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    return o
+
+
+def _block(value, default, what):
+    if value is None:
+        return default
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{what} must be a power of two >= 16, got {value}")
+    return value
+
+
+def _flags(o: _Opts):
+    return {"D": o.D, "BLOCK_D": triton.next_power_of_2(o.D), "CAUSAL": o.causal,
+            "WINDOWED": o.window is not None, "BOTTOM_RIGHT": o.bottom_right, "ALIBI": o.slopes is not None,
+            "ALIBI_SYM": o.alibi_sym, "HAS_KPM": o.kpm is not None, "HAS_KVLEN": o.kvlen is not None,
+            "DROPOUT": o.dropout, "SEED_PTR": o.rng[0] is not None, "INTERP": o.interp, "PREC": o.prec}
+
+
+def _aux(o: _Opts, dummy):
+    """(SLOPES, KPM, KVLEN, SEED) pointers (dummy where unused) and key_padding's strides."""
+    kpm = o.kpm if o.kpm is not None else dummy
+    return ((o.slopes if o.slopes is not None else dummy, kpm, o.kvlen if o.kvlen is not None else dummy,
+             o.rng[0] if o.rng[0] is not None else dummy),
+            (kpm.stride(0), kpm.stride(1)) if o.kpm is not None else (0, 0))
+
+
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    alibi_symmetric: bool = False,
+    key_padding: torch.Tensor | None = None,
+    kv_lengths: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    seed: int | torch.Tensor | None = None,
+    offset: int = 0,
+    align: str = "top_left",
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward (see the module docstring for the math). Returns (out, lse).
+
+    q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (Hq % Hkv == 0; query head h reads kv head h // (Hq // Hkv)),
+    any strides, one dtype of fp16/bf16/fp32, D in HEAD_DIMS. `window` (with causal only): key j is
+    visible to query i iff pos_i - window < j <= pos_i. `alibi_slopes` [Hq] float: bias
+    -slope * (pos_i - j) (|pos_i - j| with `alibi_symmetric`). `key_padding` [B, Lk] bool (True =
+    keep) and/or `kv_lengths` [B] int32 (keys >= length are masked). `dropout_p` > 0 needs `seed`
+    (int, or a one-element int64 tensor on the inputs' device) and takes `offset`. `align`:
+    "top_left" (pos_i = i, SDPA's is_causal) or "bottom_right" (pos_i = i + Lk - Lq).
+    out: [B, Hq, Lq, D] in q's dtype, contiguous, or written into `out` (any [B, Hq, Lq, D] view of
+    q's dtype, e.g. a transpose of a [B, Lq, Hq, D] buffer). lse: [B, Hq, Lq] fp32, natural log of
+    the softmax denominator of the scaled, biased scores; EMPTY_LSE for rows that see no key.
+    block_m/block_n/num_warps/num_stages override the launch defaults (_FWD_CFG); results do not
+    depend on them beyond fp32 summation order.
+    """
+    o = _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, kv_lengths,
+                 dropout_p, seed, offset, align)
+    B, Hq, Lq, D = o.B, o.Hq, o.Lq, o.D
+    if out is None:
+        out = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} on q's device")
+    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    if B * Hq * Lq == 0:
+        return out, lse
+    bm, bn, warps, stages = _FWD_CFG[triton.next_power_of_2(D)]
+    bm = _block(block_m, bm, "block_m")
+    bn = _block(block_n, bn, "block_n")
+    num_m = triton.cdiv(Lq, bm)
+    (slopes, kpm, kvlen, seed_t), (skpb, skpn) = _aux(o, q)
+    _, lo, hi, olo, ohi, thr, drop_scale = o.rng
+    with _device_guard(q.device):
+        _launcher(_fwd_kernel, q)[(num_m * B * Hq,)](
+            q, k, v, out, lse, slopes, kpm, kvlen, seed_t,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), skpb, skpn,
+            Hq, Lq, o.Lk, o.group, num_m, o.scale, o.window or 0, float(drop_scale),
+            lo, hi, olo, ohi, thr,
+            **_flags(o), BLOCK_M=bm, BLOCK_N=bn,
+            num_warps=num_warps or warps, num_stages=num_stages or stages)
+    return out, lse
+
+
+def attention_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    alibi_symmetric: bool = False,
+    key_padding: torch.Tensor | None = None,
+    kv_lengths: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    seed: int | torch.Tensor | None = None,
+    offset: int = 0,
+    align: str = "top_left",
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    dq_block_m: int | None = None,
+    dq_block_n: int | None = None,
+    dq_num_warps: int | None = None,
+    dq_num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `attention_fwd` (same options; out and lse are its outputs, do the gradient of
+    out, any strides). Returns (dq, dk, dv) in the inputs' dtype, shaped as q, k, v and, where those
+    are dense, with their strides. block_m/block_n/num_warps/num_stages: the dK/dV kernel (block_n
+    keys per program, block_m query rows per step; defaults _DKDV_CFG); dq_*: the dQ kernel
+    (dq_block_m query rows per program, dq_block_n keys per step; defaults _DQ_CFG).
+    """
+    o = _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, kv_lengths,
+                 dropout_p, seed, offset, align)
+    B, Hq, Hkv, Lq, Lk, D = o.B, o.Hq, o.Hkv, o.Lq, o.Lk, o.D
+    for t, name in ((do, "do"), (out, "out")):
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must match q in shape, dtype and device")
+    if lse.shape != (B, Hq, Lq) or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(f"lse must be a float32 tensor of shape [{B}, {Hq}, {Lq}] on q's device")
+    lse = lse.contiguous()
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if B * Hq * Lq == 0 or Lk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    pad_d = triton.next_power_of_2(D)
+    flags = _flags(o)
+    (slopes, kpm, kvlen, seed_t), (skpb, skpn) = _aux(o, q)
+    _, lo, hi, olo, ohi, thr, drop_scale = o.rng
+    rng = (lo, hi, olo, ohi, thr)
+    delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    with _device_guard(q.device):
+        num_m = triton.cdiv(Lq, _PRE_BLOCK_M)
+        _launcher(_bwd_pre_kernel, q)[(num_m * B * Hq,)](
+            out, do, delta, *out.stride(), *do.stride(), Hq, Lq, num_m,
+            D=D, BLOCK_D=pad_d, BLOCK_M=_PRE_BLOCK_M, num_warps=4)
+
+        bm, bn, warps, stages = _DKDV_CFG[pad_d]
+        bm = _block(block_m, bm, "block_m")
+        bn = _block(block_n, bn, "block_n")
+        num_n = triton.cdiv(Lk, bn)
+        _launcher(_bwd_dkdv_kernel, q)[(num_n * B * Hkv,)](
+            q, k, v, do, lse, delta, dk, dv, slopes, kpm, kvlen, seed_t,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), skpb, skpn,
+            Hq, Hkv, Lq, Lk, o.group, num_n, o.scale, o.window or 0, float(drop_scale), *rng,
+            **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps or warps, num_stages=num_stages or stages)
+
+        bm, bn, warps, stages = _DQ_CFG[pad_d]
+        bm = _block(dq_block_m, bm, "dq_block_m")
+        bn = _block(dq_block_n, bn, "dq_block_n")
+        num_m = triton.cdiv(Lq, bm)
+        _launcher(_bwd_dq_kernel, q)[(num_m * B * Hq,)](
+            q, k, v, do, lse, delta, dq, slopes, kpm, kvlen, seed_t,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), skpb, skpn,
+            Hq, Lq, Lk, o.group, num_m, o.scale, o.window or 0, float(drop_scale), *rng,
+            **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=dq_num_warps or warps,
+            num_stages=dq_num_stages or stages)
+    return dq, dk, dv
+
+
+def attention_dropout_mask(B: int, H: int, Lq: int, Lk: int, p: float, seed, offset: int = 0,
+                           device="cpu") -> torch.Tensor:
+    """The keep mask (bool [B, H, Lq, Lk]) of attention dropout with (p, seed, offset), for tests:
+    row (b * H + h) * Lq + i of layer_norm's mask, made by the same jitted `_keep` the attention
+    kernels call (H is the number of query heads)."""
+    return dropout_mask((B * H * Lq, Lk), p, seed, offset, device).view(B, H, Lq, Lk)
