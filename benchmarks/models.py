@@ -2,7 +2,8 @@
 torch.compile against fusionpass, side by side (interleaved) in one process.
 
     python benchmarks/models.py [--model llama|gpt2|bert] [--layers 8] [--batch 4] [--seq 2048]
-                                [--mask] [--eager] [--steps train,inference] [--fusions ...]
+                                [--mask] [--attn sdpa|eager] [--eager] [--steps train,inference]
+                                [--fusions ...]
                                 [--json out.json]
 
 llama: h2048, GQA 16/4, head_dim 128, intermediate 8192 (ANCHORS.md's config); gpt2: GPT-2 small
@@ -54,22 +55,22 @@ def build_llama(layers: int, vocab: int, hidden: int = 2048, intermediate: int =
     return transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.bfloat16)
 
 
-def build_gpt2():
+def build_gpt2(attn: str = "sdpa"):
     import transformers
 
     config = transformers.GPT2Config()
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.bfloat16)
     model.loss_type = "ForCausalLM"
     return model
 
 
-def build_bert():
+def build_bert(attn: str = "sdpa"):
     import transformers
 
     config = transformers.BertConfig()
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn
     torch.manual_seed(0)
     return transformers.AutoModelForMaskedLM.from_config(config).to(DEVICE, torch.bfloat16)
 
@@ -114,8 +115,10 @@ def run(args) -> list[dict]:
         base = build_llama(args.layers, args.vocab)
         name = f"llama {args.layers}L h2048"
     else:
-        base = build_gpt2() if args.model == "gpt2" else build_bert()
+        base = build_gpt2(args.attn) if args.model == "gpt2" else build_bert(args.attn)
         name = {"gpt2": "gpt2-small", "bert": "bert-base MLM"}[args.model]
+        if args.attn != "sdpa":
+            name += f" attn={args.attn}"
     vocab = base.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq), device=DEVICE)
     kwargs = {}
@@ -178,6 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama", choices=["llama", "gpt2", "bert"])
     parser.add_argument("--mask", action="store_true", help="pass an all-ones attention_mask")
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="gpt2/bert attention")
     parser.add_argument("--eager", action="store_true", help="also time eager PyTorch")
     parser.add_argument("--steps", default="train,inference")
     parser.add_argument("--layers", type=int, default=8)
