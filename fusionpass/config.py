@@ -33,9 +33,10 @@ class Config:
     # TRITON_INTERPRET=1 (the tests), else a torch reference (`fusionpass explain` without a GPU).
     cpu: bool = False
     # rms_norm_residual cost rule: the row widths where the kernel measured at least as fast as
-    # Inductor on the H200 (benchmarks/results/2026-11-30-h200-rms_norm_residual.md: 1.01x at
-    # 2048, 1.06x at 4096). Narrower rows (per-head QK-norm, widths <= 1024) and wider ones
-    # (8192 and up) measured 2-15% slower there, so they stay with Inductor.
+    # Inductor on the H200 (benchmarks/results/2026-11-30-h200-rms_norm_residual.md: forward
+    # 0.92-1.04x at 2048 across runs, 1.06-1.07x at 4096). Narrower rows (per-head QK-norm,
+    # widths <= 1024) measured 3-19% slower, forward and backward, so they stay with Inductor;
+    # inference also leaves widths above 4096 (and 2049..4095, see patterns/rms_norm.py) to it.
     # attention: masks that are causal/all-true AND key padding from a run-time attention_mask
     # become a torch.cond on one "all true?" check per forward. Off by default: Inductor's cond
     # lowering crashed Llama-family inference graphs (a stride assertion in the branch when the
@@ -44,6 +45,9 @@ class Config:
     attention_runtime_check: bool = False
     rms_norm_min_width: int = 2048
     rms_norm_max_width: int = 4096
+    # Differentiated norms measured faster up to 8192 (fwd+bwd kernel time at 8192: 1.20x, at
+    # 3072: 1.14x; 16384: 0.84x), benchmarks/results/2026-11-30-h200-rms_norm_residual.md.
+    rms_norm_train_max_width: int = 8192
     # layer_norm_dropout_residual cost rule (patterns/layer_norm.py `cost_rule`), from the H200
     # (benchmarks/results/2026-11-30-h200-layer_norm_dropout_residual.md, 16384 rows, bf16, kernel
     # time): training (a dropout or a gradient) won at every width measured, 768..8192
@@ -83,7 +87,7 @@ def _split(value: str) -> list[str]:
 
 def from_env(base: Config | None = None, environ=os.environ) -> Config:
     """Apply FUSIONPASS_FUSIONS (comma list, replaces the set), FUSIONPASS_DISABLE (comma list,
-    removed from it), FUSIONPASS_CPU (1/0), FUSIONPASS_RMS_NORM_MIN/MAX_WIDTH,
+    removed from it), FUSIONPASS_CPU (1/0), FUSIONPASS_RMS_NORM_MIN/[TRAIN_]MAX_WIDTH,
     FUSIONPASS_LAYER_NORM_[INFERENCE_]MIN/MAX_WIDTH and FUSIONPASS_LINEAR_CROSS_ENTROPY_MIN_VOCAB
     over `base`."""
     cfg = base or Config()
@@ -100,6 +104,8 @@ def from_env(base: Config | None = None, environ=os.environ) -> Config:
         cfg = cfg.replace(rms_norm_min_width=int(environ["FUSIONPASS_RMS_NORM_MIN_WIDTH"]))
     if "FUSIONPASS_RMS_NORM_MAX_WIDTH" in environ:
         cfg = cfg.replace(rms_norm_max_width=int(environ["FUSIONPASS_RMS_NORM_MAX_WIDTH"]))
+    if "FUSIONPASS_RMS_NORM_TRAIN_MAX_WIDTH" in environ:
+        cfg = cfg.replace(rms_norm_train_max_width=int(environ["FUSIONPASS_RMS_NORM_TRAIN_MAX_WIDTH"]))
     if "FUSIONPASS_LAYER_NORM_MIN_WIDTH" in environ:
         cfg = cfg.replace(layer_norm_min_width=int(environ["FUSIONPASS_LAYER_NORM_MIN_WIDTH"]))
     if "FUSIONPASS_LAYER_NORM_MAX_WIDTH" in environ:

@@ -595,3 +595,36 @@ def forward(self, L_x_, L_r_, L_self_modules_norm_parameters_weight_):
     return (getitem_2, getitem_1)""")
         for a, e in zip(out, model(x, r)):
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "width,train,reason",
+    [
+        (8192, True, None),
+        (8192, False, "row width 8192 > 4096: the kernel measured slower than Inductor there in inference"),
+        (16384, True, "row width 16384 > 8192: the kernel measured slower than Inductor there in training"),
+        (3072, True, None),
+        (3072, False, "row width 3072: in inference the forward's second chunk is partial"),
+    ],
+)
+def test_width_rule_by_mode(width, train, reason):
+    """Training takes rows up to 8192, inference up to 4096 and not 2049..4095 (measured, see
+    fusionpass/config.py). The rule is read from the graph: no_grad makes it inference."""
+
+    class AddNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = LlamaRMSNorm(width)
+
+        def forward(self, x, r):
+            h = x + r
+            return self.norm(h), h
+
+    x, r = inputs(FP32, batch=1, seq=2, width=width), inputs(FP32, batch=1, seq=2, width=width)
+    with torch.set_grad_enabled(train):
+        _, _, record = fused_graph(AddNorm(), x, r, fusions=[FUSION], rms_norm_min_width=2048)
+    if reason is None:
+        assert record.near_misses == [] and sum(record.matches.values()) == 1
+    else:
+        assert record.matches == {}
+        assert record.near_misses and all(reason in why for _, _, why in record.near_misses)
