@@ -43,6 +43,12 @@ class Config:
     # query comes from RoPE's cat) and refuses q/k/v that alias one tensor (GPT-2's split), both
     # seen on CPU with torch 2.13 (tests/patterns/test_attention_masks.py).
     attention_runtime_check: bool = False
+    # attention: route SDPA calls whose mask is proven sliding-window, or causal/all-true AND key
+    # padding from the run-time attention_mask, to fusionpass::flash_attention (the FA2-style
+    # kernel of fusionpass/kernels/attention.py; where on, it is preferred over the torch.cond
+    # check above: no branch, no host sync). Off until measured on the GPU: the kernel has only
+    # run under the CPU interpreter so far.
+    attention_kernel: bool = False
     rms_norm_min_width: int = 2048
     rms_norm_max_width: int = 4096
     # Differentiated norms measured faster up to 8192 (fwd+bwd kernel time at 8192: 1.20x, at
@@ -87,7 +93,8 @@ def _split(value: str) -> list[str]:
 
 def from_env(base: Config | None = None, environ=os.environ) -> Config:
     """Apply FUSIONPASS_FUSIONS (comma list, replaces the set), FUSIONPASS_DISABLE (comma list,
-    removed from it), FUSIONPASS_CPU (1/0), FUSIONPASS_RMS_NORM_MIN/[TRAIN_]MAX_WIDTH,
+    removed from it), FUSIONPASS_CPU (1/0), FUSIONPASS_ATTENTION_RUNTIME_CHECK and
+    FUSIONPASS_ATTENTION_KERNEL (1/0), FUSIONPASS_RMS_NORM_MIN/[TRAIN_]MAX_WIDTH,
     FUSIONPASS_LAYER_NORM_[INFERENCE_]MIN/MAX_WIDTH and FUSIONPASS_LINEAR_CROSS_ENTROPY_MIN_VOCAB
     over `base`."""
     cfg = base or Config()
@@ -100,6 +107,9 @@ def from_env(base: Config | None = None, environ=os.environ) -> Config:
     if "FUSIONPASS_ATTENTION_RUNTIME_CHECK" in environ:
         value = environ["FUSIONPASS_ATTENTION_RUNTIME_CHECK"].lower()
         cfg = cfg.replace(attention_runtime_check=value in ("1", "true", "on", "yes"))
+    if "FUSIONPASS_ATTENTION_KERNEL" in environ:
+        value = environ["FUSIONPASS_ATTENTION_KERNEL"].lower()
+        cfg = cfg.replace(attention_kernel=value in ("1", "true", "on", "yes"))
     if "FUSIONPASS_RMS_NORM_MIN_WIDTH" in environ:
         cfg = cfg.replace(rms_norm_min_width=int(environ["FUSIONPASS_RMS_NORM_MIN_WIDTH"]))
     if "FUSIONPASS_RMS_NORM_MAX_WIDTH" in environ:

@@ -45,6 +45,8 @@ class Guard:
 class Variant:
     name: str
     search: Callable[[fx.Node], Match | None]
+    # tried only where this holds for the config (an opt-in route); None: always
+    when: Callable[[Config], bool] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +122,8 @@ def apply(fusion: Fusion, graph: fx.Graph, config: Config, record: Record) -> in
         match = None
         try:
             for variant in fusion.variants:
+                if variant.when is not None and not variant.when(config):
+                    continue
                 match = variant.search(node)
                 if match is not None:
                     break

@@ -1,2 +1,2 @@
 """torch.library custom ops "fusionpass::<name>"; importing this package registers them."""
-from fusionpass.ops import attention, cross_entropy, layer_norm, rms_norm  # noqa: F401
+from fusionpass.ops import attention, cross_entropy, flash_attention, layer_norm, rms_norm  # noqa: F401

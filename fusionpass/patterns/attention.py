@@ -10,8 +10,10 @@ Under torch.compile transformers 5.x passes every SDPA call a materialized boole
     so, the original masked call otherwise, so any padding stays exact. The check is a host sync,
     made once for the mask all layers share; it is not made under CUDA graphs. Opt-in
     (`Config.attention_runtime_check`): Inductor's cond lowering still fails on some graphs.
-Everything else is a near miss with its reason: sliding windows and diagonal offsets need
-fusionpass's own attention kernel.
+With `Config.attention_kernel` (opt-in until measured on a GPU), sliding-window masks and
+causal/all-true masks AND run-time key padding go to fusionpass::flash_attention instead (no
+branch, no sync; see "the kernel route" below). Everything else is a near miss with its reason:
+diagonal offsets, and the masks above while the kernel route is off.
 
 Where the mask goes outright, transformers' `repeat_kv` copy of K and V up to the query head count
 (it only skips it, for `enable_gqa=True`, when no mask is passed) goes too: the call reads the
@@ -48,10 +50,15 @@ def sdpa_arguments(node: fx.Node) -> dict:
     return args
 
 
+OPT_IN = (
+    "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1) "
+    "until measured on a GPU"
+)
 _NEEDS_KERNEL = {
-    "sliding_window": "needs fusionpass's attention kernel (not built yet)",
+    "sliding_window": OPT_IN,
     "causal_offset": "query and key positions are offset (bottom-right causal) while SDPA's "
-    "is_causal is top-left; needs fusionpass's attention kernel (not built yet)",
+    "is_causal is top-left; fusionpass's attention kernel aligns bottom-right, but this route "
+    "is not wired yet",
 }
 
 
@@ -190,13 +197,14 @@ def mask_covers_the_scores(m: Match, cfg) -> str | None:
         n = lengths.get(axis)
         if n is not None and not statically_known_true(n == size):
             return f"mask index length {n} differs from the attention length {size}"
-    if m.bindings["kind"] == "causal" and not statically_known_true(sq == skv):
+    if (m.bindings["kind"] == "causal" and m.bindings.get("route") != "kernel"
+            and not statically_known_true(sq == skv)):
         return f"query length {sq} != key length {skv}: SDPA's is_causal would align top-left"
     return None
 
 
 def run_time_check_allowed(m: Match, cfg) -> str | None:
-    if not m.bindings["padding"]:
+    if not m.bindings["padding"] or m.bindings.get("route") == "kernel":
         return None
     if not cfg.attention_runtime_check:
         return (
@@ -312,6 +320,178 @@ def _free_attribute(module: torch.nn.Module, prefix: str) -> str:
     return f"{prefix}_{i}"
 
 
+# ---------------------------------------------------------------------------------------------
+# the kernel route (Config.attention_kernel): fusionpass::flash_attention
+#
+# A sliding-window mask (Mistral, Gemma-2's local layers, Qwen2 with use_sliding_window), and a
+# causal or all-true mask AND key padding from the run-time attention_mask, become one call of
+# fusionpass::flash_attention: window, alignment and the [B, Lk] key-padding vector read from the
+# mask's classification, grouped K/V read without repeat_kv. No torch.cond, no host sync.
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _key_padding_vector(found: masks.MaskKind, mask: fx.Node, args: dict) -> fx.Node:
+    """The [B, Lk] bool tensor the mask reads as `padding[batch_idx, kv_idx]`, exactly."""
+    if len({r.source for r in found.runtime}) != 1:
+        raise NearMiss("key padding from several run-time tensors: one key-padding vector only")
+    term = found.runtime[0]
+    source, index = term.source, term.index
+    q, k, t = g.tensor(args["query"]), g.tensor(args["key"]), g.tensor(source)
+    m = g.tensor(mask)
+    why = None
+    if t is None or t.dim() != 2 or len(index) != 2 or m is None or m.dim() != 4:
+        why = "not a 2-D lookup into a 4-D mask"
+    elif t.dtype != torch.bool:
+        why = f"key-padding tensor of dtype {t.dtype}"
+    else:
+        (b_idx, kv_idx) = index
+        batch_axis = -m.dim()
+        for placement, axis, size, name in ((b_idx, batch_axis, q.shape[0], "batch"),
+                                             (kv_idx, masks.KV_AXIS, k.shape[-2], "key")):
+            length = dict(placement.lengths).get(axis)
+            if placement.coef != ((axis, 1),) or placement.const != 0 or length is None or not (
+                statically_known_true(length == size)
+            ):
+                why = f"its {name} index is not arange({size}) on the mask's {name} axis"
+                break
+        if why is None and not (
+            statically_known_true(t.shape[0] == q.shape[0]) and statically_known_true(t.shape[1] == k.shape[-2])
+        ):
+            why = f"key-padding tensor of shape {tuple(t.shape)}, not [{q.shape[0]}, {k.shape[-2]}]"
+    if why is not None:
+        raise NearMiss(f"key padding not provably attention_mask[batch, kv]: {why}")
+    return source
+
+
+def _kernel_search(kind: str, padded: bool):
+    """`kind` masks (sliding_window, causal, none), with (`padded`) or without run-time key padding,
+    for fusionpass::flash_attention."""
+
+    def search(node: fx.Node) -> Match | None:
+        args = sdpa_arguments(node)
+        mask = args["attn_mask"]
+        if not isinstance(mask, fx.Node) or args["is_causal"] is not False or g.dtype(mask) != torch.bool:
+            return None
+        found = masks.classify(mask)
+        if found.kind != kind or bool(found.runtime) != padded:
+            return None
+        if kind == "sliding_window" and (found.window is None or found.window < 1):
+            raise NearMiss(f"{found.detail} without a causal bound: the kernel's window needs one")
+        key_padding = _key_padding_vector(found, mask, args) if padded else None
+        key, value = args["key"], args["value"]
+        grouped = _grouped_kv(args)
+        if grouped is not None:
+            key, value, _ = grouped
+        variant = {"sliding_window": "sliding_window", "causal": "causal", "none": "none"}[kind]
+        return Match(
+            variant=f"{variant}_kernel" + ("_padded" if padded else ""),
+            anchor=node,
+            nodes=[node],
+            bindings=dict(args=args, mask=mask, mask_nodes=found.nodes, padding=(), kind=kind, route="kernel",
+                          key=key, value=value, key_padding=key_padding, shift=found.shift, window=found.window),
+        )
+
+    return search
+
+
+def _kernel_only(check):
+    def guard(m: Match, cfg) -> str | None:
+        return check(m, cfg) if m.bindings.get("route") == "kernel" else None
+
+    guard.__doc__ = check.__doc__
+    return guard
+
+
+def kernel_dtypes(m: Match, cfg) -> str | None:
+    """q, k and v share one dtype of fp16/bf16/fp32."""
+    b = m.bindings
+    dtypes = [g.dtype(n) for n in (b["args"]["query"], b["key"], b["value"])]
+    if dtypes[0] not in _KERNEL_DTYPES or len(set(dtypes)) != 1:
+        return f"q/k/v dtypes {[str(d) for d in dtypes]}: the kernel takes one of fp16/bf16/fp32"
+    return None
+
+
+def kernel_shapes(m: Match, cfg) -> str | None:
+    """q [B, Hq, Lq, D], k = v [B, Hkv, Lk, D], Hq % Hkv == 0, statically."""
+    b = m.bindings
+    q, k, v = (g.tensor(n) for n in (b["args"]["query"], b["key"], b["value"]))
+    if any(t is None or t.dim() != 4 for t in (q, k, v)):
+        return "q/k/v are not all 4-D [B, H, L, D]"
+    hq, hkv = g.static_int(q.shape[1]), g.static_int(k.shape[1])
+    same = all(statically_known_true(a == c) for a, c in zip(k.shape, v.shape))
+    if not same or not statically_known_true(q.shape[0] == k.shape[0]) or not statically_known_true(
+        q.shape[3] == k.shape[3]
+    ):
+        return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not [B, H, L, D] alike"
+    if hq is None or hkv is None or hkv == 0 or hq % hkv:
+        return f"query heads {q.shape[1]} not a static multiple of kv heads {k.shape[1]}"
+    return None
+
+
+def kernel_head_dim(m: Match, cfg) -> str | None:
+    from fusionpass.kernels.attention import HEAD_DIMS
+
+    d = g.static_int(g.tensor(m.bindings["args"]["query"]).shape[-1])
+    if d not in HEAD_DIMS:
+        return f"head dim {d} not in the kernel's {HEAD_DIMS}"
+    return None
+
+
+def kernel_constants(m: Match, cfg) -> str | None:
+    """dropout_p and scale are constants; the diagonal is top-left or bottom-right aligned."""
+    args = m.bindings["args"]
+    p = args["dropout_p"]
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        return f"dropout_p {p!r} is not a constant in [0, 1)"
+    scale = args["scale"]
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        return f"scale {scale!r} is not a constant"
+    shift = m.bindings["shift"]
+    lq, lk = g.tensor(args["query"]).shape[-2], g.tensor(args["key"]).shape[-2]
+    if shift != 0 and not statically_known_true(lk - lq == shift):
+        return f"diagonal offset {shift} is neither 0 (top-left) nor Lk - Lq (bottom-right)"
+    return None
+
+
+def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
+    b = m.bindings
+    node, args = m.anchor, b["args"]
+    q = args["query"]
+    d = g.static_int(g.tensor(q).shape[-1])
+    scale = float(args["scale"]) if args["scale"] is not None else d**-0.5
+    p = float(args["dropout_p"])
+    seed = None
+    if p > 0:
+        from fusionpass.patterns.layer_norm import _insert_seed
+
+        seed = _insert_seed(graph, node, q)
+    causal = b["kind"] != "none"
+    call = g.insert_call(
+        graph,
+        node,
+        torch.ops.fusionpass.flash_attention.default,
+        (q, b["key"], b["value"], b["key_padding"], scale, causal, b["window"] or 0, b["shift"] != 0, p, seed),
+        node,
+    )
+    out, _ = g.insert_getitems(graph, call, 2)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    g.erase_unused(graph, [n for n in b["mask_nodes"] if n.op != "placeholder"])
+    g.erase_unused(graph, _repeat_kv_nodes(args))
+
+
+def _replace(graph: fx.Graph, m: Match, cfg) -> None:
+    if m.bindings.get("route") == "kernel":
+        replace_with_kernel(graph, m, cfg)
+    else:
+        replace(graph, m, cfg)
+
+
+def _kernel_on(cfg) -> bool:
+    return cfg.attention_kernel
+
+
 ATTENTION = registry.register(
     Fusion(
         name="attention",
@@ -324,11 +504,17 @@ ATTENTION = registry.register(
         ),
         selected_when=(
             "always where the mask is proven (dropping a mask never slows SDPA down); sliding "
-            "windows, run-time key padding and offset diagonals are near misses"
+            "windows and run-time key padding go to fusionpass::flash_attention only with "
+            "attention_kernel=True (opt-in, unmeasured on the GPU), else they are near misses, as "
+            "are offset diagonals"
         ),
         anchor=lambda node: is_sdpa(node)
         and isinstance(sdpa_arguments(node)["attn_mask"], fx.Node),
         variants=(
+            Variant("sliding_window_kernel", _kernel_search("sliding_window", False), when=_kernel_on),
+            Variant("sliding_window_kernel_padded", _kernel_search("sliding_window", True), when=_kernel_on),
+            Variant("causal_kernel_padded", _kernel_search("causal", True), when=_kernel_on),
+            Variant("none_kernel_padded", _kernel_search("none", True), when=_kernel_on),
             Variant("causal_mask", _search("causal", checked=False)),
             Variant("none_mask", _search("none", checked=False)),
             Variant("causal_mask_if_unpadded", _search("causal", checked=True)),
@@ -338,8 +524,13 @@ ATTENTION = registry.register(
             Guard("device", device_supported),
             Guard("shape", mask_covers_the_scores),
             Guard("run_time_check", run_time_check_allowed),
+            Guard("kernel_dtype", _kernel_only(kernel_dtypes)),
+            Guard("kernel_shape", _kernel_only(kernel_shapes)),
+            Guard("kernel_head_dim", _kernel_only(kernel_head_dim)),
+            Guard("kernel_constants", _kernel_only(kernel_constants)),
         ),
-        replace=replace,
+        replace=_replace,
+        modules=("fusionpass.patterns.masks", "fusionpass.ops.flash_attention", "fusionpass.kernels.attention"),
         unmatched="SDPA with a mask this fusion has no rewrite for",
     )
 )

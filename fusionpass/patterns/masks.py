@@ -68,6 +68,9 @@ class Constraint:
 class RuntimeTerm:
     what: str
     source: fx.Node
+    # the index values of the lookup `source[index...]`, one Affine per dim of source (for the
+    # key-padding route to check it is exactly source[batch, kv])
+    index: tuple = dataclasses.field(default=(), compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,7 +342,7 @@ class MaskAnalysis:
             return _gathered(node, value, placements)
         axes = {a for p in placements if isinstance(p, Affine) for a, _ in p.coef}
         if KV_AXIS in axes and Q_AXIS not in axes:
-            return Conjunction((), (RuntimeTerm("key padding", source),))
+            return Conjunction((), (RuntimeTerm("key padding", source, tuple(placements)),))
         raise Unprovable("lookup into a run-time tensor by query position")
 
 
@@ -351,6 +354,10 @@ class MaskKind:
     # run-time tensors the mask also depends on (key padding): the mask equals `kind` wherever
     # all of them are true
     runtime: tuple[RuntimeTerm, ...] = ()
+    # causal and sliding_window: key j is visible to query i iff j <= i + shift (and, with a
+    # window, j > i + shift - window), i and j counted from 0 on the mask's query and key axes
+    shift: int = 0
+    window: int | None = None
 
 
 def _always_true(c: Constraint, lengths: dict) -> bool:
@@ -390,14 +397,19 @@ def classify(mask: fx.Node) -> MaskKind:
     if rest or len(causal) > 1 or len(window) > 1:
         return MaskKind("other", "mask constraints of an unknown shape", nodes, runtime)
     if window:
-        return MaskKind("sliding_window", "sliding-window mask" + padding, nodes, runtime)
+        # q - kv + c <= 0, i.e. kv > q + shift - w with w = shift + 1 - c; without a causal bound
+        # the kernel's window does not apply (shift stays None)
+        shift = -causal[0].const if causal else None
+        size = None if shift is None else shift + 1 - window[0].const
+        return MaskKind("sliding_window", "sliding-window mask" + padding, nodes, runtime,
+                        shift=shift, window=size)
     if not causal:
         detail = "bidirectional mask" + padding if runtime else "mask is true everywhere"
         return MaskKind("none", detail, nodes, runtime)
     offset = causal[0].const  # kv - q + offset <= 0
     if offset != 0:
         detail = f"causal mask with diagonal offset {-offset}" + padding
-        return MaskKind("causal_offset", detail, nodes, runtime)
+        return MaskKind("causal_offset", detail, nodes, runtime, shift=-offset)
     return MaskKind("causal", "causal mask (kv <= q)" + padding, nodes, runtime)
 
 

@@ -1,0 +1,219 @@
+"""fusionpass::flash_attention and fusionpass::flash_attention_backward: triton_ops (CUDA), host
+custom ops (CPU), autograd.
+
+    out, lse = flash_attention(q, k, v, key_padding, scale, causal, window, align_bottom_right,
+                               dropout_p, seed)
+
+q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (GQA/MQA: Hq % Hkv == 0, read without repeat), key_padding
+[B, Lk] bool (True = keep) or None, window 0 = none (else key j is visible to query i iff
+pos_i - window < j <= pos_i, with causal), align_bottom_right: pos_i = i + Lk - Lq (else i),
+dropout_p > 0 needs `seed` (a one-element int64 tensor). The math, the RNG and the rows that see
+no key (out 0, lse EMPTY_LSE) are those of fusionpass/kernels/attention.py.
+
+On CUDA the kernels launch from Inductor's code (triton_op). On CPU the host custom ops run the
+same kernels under the Triton interpreter (TRITON_INTERPRET=1, the tests) or, without it, a torch
+reference: math attention with an explicit boolean mask built from the same rule, and the kernels'
+dropout keep bits drawn in torch (`philox_keep`, the bits `attention_dropout_mask` returns). The
+reference backward differentiates the reference forward.
+
+Not yet compiled or timed on a GPU: the patterns route here only with Config.attention_kernel.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+# Launch overrides for CPU tensors (the interpreter): keys of attention_fwd/attention_bwd
+# (block_m, block_n, dq_block_m, dq_block_n). Empty: the kernels' defaults. Results do not depend
+# on them beyond fp32 summation order; tests may shrink them.
+CPU_BLOCKS: dict[str, int] = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _options(key_padding, scale, causal, window, align_bottom_right, dropout_p, seed) -> dict:
+    return dict(
+        causal=causal,
+        scale=scale,
+        window=window or None,
+        key_padding=key_padding,
+        dropout_p=dropout_p,
+        seed=seed if dropout_p > 0 else None,
+        align="bottom_right" if align_bottom_right else "top_left",
+    )
+
+
+def _check(q, k, v, dropout_p, seed, window, causal) -> None:
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0 and seed is None:
+        raise ValueError("dropout with p > 0 needs a seed tensor")
+    if window and not causal:
+        raise ValueError("a sliding window needs causal=True")
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+
+def _kernel_forward(q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed, blocks=None):
+    from fusionpass.kernels.attention import attention_fwd
+
+    opts = _options(key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+    blocks = {k_: v_ for k_, v_ in (blocks or {}).items() if k_ in ("block_m", "block_n")}
+    return attention_fwd(q, k, v, **opts, **blocks)
+
+
+def _kernel_backward(do, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p,
+                     seed, blocks=None):
+    from fusionpass.kernels.attention import attention_bwd
+
+    opts = _options(key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+    return attention_bwd(do, q, k, v, out, lse, **opts, **(blocks or {}))
+
+
+# ---------------------------------------------------------------------------------------------
+# torch reference (CPU without the interpreter)
+
+
+def visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, device) -> Tensor:
+    """The boolean mask [B, 1, Lq, Lk] the kernels apply (True = key visible)."""
+    pos = torch.arange(Lq, device=device)[:, None] + (Lk - Lq if align_bottom_right else 0)
+    j = torch.arange(Lk, device=device)[None, :]
+    vis = torch.ones(Lq, Lk, dtype=torch.bool, device=device)
+    if causal:
+        vis = vis & (j <= pos)
+    if window:
+        vis = vis & (j > pos - window)
+    vis = vis.expand(B, 1, Lq, Lk)
+    if key_padding is not None:
+        vis = vis & key_padding[:, None, None, :]
+    return vis
+
+
+def _reference(q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed):
+    from fusionpass.kernels.attention import EMPTY_LSE
+    from fusionpass.ops.layer_norm import _dropout_constants, philox_keep
+
+    B, Hq, Lq, D = q.shape
+    Lk = k.shape[2]
+    group = Hq // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    s = (q.float() @ kf.transpose(-1, -2)) * (D**-0.5 if scale is None else scale)
+    vis = visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, q.device)
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    empty = torch.isneginf(lse)
+    lse = torch.where(empty, torch.full_like(lse, EMPTY_LSE), lse)
+    p = torch.exp(s - lse[..., None])
+    if dropout_p > 0:
+        # the kernels' keep bits: row (b * Hq + h) * Lq + i of layer_norm's Philox stream
+        keep = philox_keep(B * Hq * Lq, Lk, dropout_p, int(seed.reshape(-1)[0])).view(B, Hq, Lq, Lk)
+        p = torch.where(keep.to(q.device), p * _dropout_constants(dropout_p)[1], 0.0)
+    return (p @ vf).to(q.dtype), lse
+
+
+def _reference_backward(do, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p,
+                        seed):
+    with torch.enable_grad():
+        q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
+        o, _ = _reference(q_, k_, v_, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+        return torch.autograd.grad(o, (q_, k_, v_), do)
+
+
+# ---------------------------------------------------------------------------------------------
+# host custom ops (CPU): Inductor cannot trace a kernel that runs under the interpreter
+
+
+@torch.library.custom_op("fusionpass::flash_attention_forward_host", mutates_args=())
+def _forward_host(
+    q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None, scale: float, causal: bool, window: int,
+    align_bottom_right: bool, dropout_p: float, seed: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    args = (q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+    if _interpreting():
+        out, lse = _kernel_forward(*args, blocks=CPU_BLOCKS)
+    else:
+        out, lse = _reference(*args)
+    return out.contiguous(), lse.contiguous()
+
+
+@_forward_host.register_fake
+def _(q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed):
+    return _empty(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("fusionpass::flash_attention_backward_host", mutates_args=())
+def _backward_host(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None,
+    scale: float, causal: bool, window: int, align_bottom_right: bool, dropout_p: float, seed: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    args = (do, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+    if _interpreting():
+        dq, dk, dv = _kernel_backward(*args, blocks=CPU_BLOCKS)
+    else:
+        dq, dk, dv = _reference_backward(*args)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_backward_host.register_fake
+def _(do, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed):
+    return _empty(q), _empty(k), _empty(v)
+
+
+def _empty(t: Tensor) -> Tensor:
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------------------------------------
+# public ops
+
+
+@torch.library.triton_op("fusionpass::flash_attention", mutates_args=())
+def flash_attention(
+    q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None, scale: float, causal: bool, window: int,
+    align_bottom_right: bool, dropout_p: float, seed: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    _check(q, k, v, dropout_p, seed, window, causal)
+    args = (q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+    if q.device.type != "cuda":
+        return _forward_host(*args)
+    return _kernel_forward(*args)
+
+
+@torch.library.triton_op("fusionpass::flash_attention_backward", mutates_args=())
+def flash_attention_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None,
+    scale: float, causal: bool, window: int, align_bottom_right: bool, dropout_p: float, seed: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    args = (do, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+    if do.device.type != "cuda":
+        return _backward_host(*args)
+    return _kernel_backward(*args)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_padding, seed)
+    ctx.flags = (scale, causal, window, align_bottom_right, dropout_p)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, _dlse):
+    if dout is None:
+        return (None,) * 10
+    q, k, v, out, lse, key_padding, seed = ctx.saved_tensors
+    scale, causal, window, align_bottom_right, dropout_p = ctx.flags
+    dq, dk, dv = torch.ops.fusionpass.flash_attention_backward(
+        dout, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+flash_attention.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,150 @@
+"""attention, kernel route (Config.attention_kernel, FUSIONPASS_ATTENTION_KERNEL=1): SDPA calls whose
+transformers-style mask is proven sliding-window, or causal/all-true AND key padding from the
+run-time attention_mask, become fusionpass::flash_attention (the FA2-style kernel under the Triton
+interpreter here), with exact counts; outputs and q/k/v gradients equal eager within fp32
+tolerance. Head dim 64 (the kernel's smallest), short sequences, few heads."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_outcomes_close, compile_and_count, compiling, eager, fused_graph, near_misses, run
+
+import fusionpass
+from patterns.test_attention_masks import Attention, attention_mask, counts
+
+from fusionpass.ops import flash_attention as fa_ops
+
+FUSION = "attention"
+B, H, S, D = 2, 2, 8, 64
+FLASH = torch.ops.fusionpass.flash_attention.default
+
+
+@pytest.fixture(autouse=True)
+def _kernel_on(monkeypatch):
+    monkeypatch.setenv("FUSIONPASS_ATTENTION_KERNEL", "1")
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", raising=False)
+    # one program per (batch, head) under the interpreter
+    monkeypatch.setattr(fa_ops, "CPU_BLOCKS", {"block_m": 16, "block_n": 16, "dq_block_m": 16, "dq_block_n": 16})
+
+
+def inputs(padding_kind=None, kv_heads=H, seq=S):
+    q = torch.randn(B, H, seq, D)
+    k, v = torch.randn(B, kv_heads, seq, D), torch.randn(B, kv_heads, seq, D)
+    if padding_kind is None:
+        return (q, k, v)
+    return (q, k, v, attention_mask(padding_kind, batch=B, length=seq))
+
+
+def check(module, args, expected, train=False):
+    module.train(train)
+    got, stats = compile_and_count(module, *args, fusions=[FUSION], train=train)
+    assert near_misses() == []
+    assert stats == expected
+    want = eager(module, *args, train=train)
+    if train:
+        assert sorted(got.grads) == ["input0", "input1", "input2"]
+    assert_outcomes_close(got, want)
+
+
+CASES = [
+    # (mask function, attention_mask, variant)
+    ("sliding_window", None, "sliding_window_kernel"),
+    ("sliding_window", "right", "sliding_window_kernel_padded"),
+    ("sliding_window", "left", "sliding_window_kernel_padded"),
+    ("causal", "right", "causal_kernel_padded"),
+    ("causal", "left", "causal_kernel_padded"),  # fully masked query rows
+    ("bidirectional", "left", "none_kernel_padded"),
+    ("bidirectional", "ones", "none_kernel_padded"),
+]
+
+
+@pytest.mark.parametrize("fn,padding_kind,variant", CASES, ids=[f"{f}-{p or 'no_mask'}" for f, p, _ in CASES])
+def test_kernel_route_training(fn, padding_kind, variant):
+    check(Attention(fn, layers=2), inputs(padding_kind), counts(**{variant: 2}), train=True)
+
+
+def test_kernel_route_inference_padding_rows():
+    """left and right padding of different lengths in one batch (rows of 8, 5 and 3 keys)."""
+    q, k, v = (torch.randn(3, H, S, D) for _ in range(3))
+    am = torch.ones(3, S, dtype=torch.long)
+    am[1, 5:] = 0
+    am[2, :5] = 0
+    check(Attention("causal"), (q, k, v, am), counts(causal_kernel_padded=1))
+    check(Attention("sliding_window"), (q, k, v, am), counts(sliding_window_kernel_padded=1))
+
+
+@pytest.mark.parametrize("padding_kind,variant", [(None, "sliding_window_kernel"), ("right", "sliding_window_kernel_padded")])
+def test_gqa_reads_grouped_kv(padding_kind, variant):
+    """repeat_kv copies of 1 kv head for 2 query heads: the op reads the grouped K/V."""
+    module = Attention("sliding_window", repeat_kv="hf")
+    args = inputs(padding_kind, kv_heads=1)
+    gm, out, record = fused_graph(module.eval(), *args, fusions=[FUSION])
+    assert record.matches == counts(**{variant: 1})
+    (call,) = [n for n in gm.graph.nodes if n.target is FLASH]
+    assert [a.op for a in call.args[1:3]] == ["placeholder", "placeholder"]
+    assert not [n for n in gm.graph.nodes if n.target in ("expand", "reshape")]
+    torch.testing.assert_close(out, module(*args), rtol=1e-5, atol=1e-5)
+    check(module, args, counts(**{variant: 1}), train=True)
+
+
+def test_window_size_from_the_mask():
+    """The op gets the window the mask encodes (3) and top-left alignment; the mask is gone."""
+    gm, _, record = fused_graph(Attention("sliding_window").eval(), *inputs(), fusions=[FUSION])
+    (call,) = [n for n in gm.graph.nodes if n.target is FLASH]
+    q, k, v, kp, scale, causal, window, bottom_right, p, seed = call.args
+    assert (kp, causal, window, bottom_right, p, seed) == (None, True, 3, False, 0.0, None)
+    assert scale == pytest.approx(D**-0.5)
+    assert not [n for n in gm.graph.nodes if n.target == "expand"]  # the mask is gone
+
+
+def test_head_dim_guard():
+    module = Attention("sliding_window").eval()
+    args = (torch.randn(B, H, S, 16), torch.randn(B, H, S, 16), torch.randn(B, H, S, 16))
+    _, _, record = fused_graph(module, *args, fusions=[FUSION])
+    assert record.matches == {}
+    ((_, _, reason),) = record.near_misses
+    assert reason.startswith("kernel_head_dim: head dim 16 not in the kernel's")
+
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_KERNEL")
+    _, _, record = fused_graph(Attention("sliding_window").eval(), *inputs(), fusions=[FUSION])
+    assert record.matches == {}
+    ((_, _, reason),) = record.near_misses
+    assert "opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1)" in reason
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny HF Mistral, sliding_window 4 < sequence 8, head dim 64
+
+
+def _mistral():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MistralConfig(
+        hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, vocab_size=128, pad_token_id=0, bos_token_id=0,
+        eos_token_id=0, attention_dropout=0.0, sliding_window=4,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(config)
+
+
+@pytest.mark.parametrize("train,mask", [(True, None), (False, "left")])
+def test_hf_mistral_sliding_window(train, mask):
+    model = _mistral().train(train)
+    torch.manual_seed(1)
+    ids = torch.randint(1, 128, (B, S))
+    kwargs = {"use_cache": False}
+    if mask is not None:
+        kwargs["attention_mask"] = attention_mask(mask, batch=B, length=S)
+    if train:
+        kwargs["labels"] = ids
+    got, stats = compile_and_count(model, ids, fusions=[FUSION], train=train, kwargs=kwargs)
+    assert near_misses() == []
+    variant = "sliding_window_kernel_padded" if mask else "sliding_window_kernel"
+    assert stats == counts(**{variant: 2})
+    with compiling():  # the reference: plain torch.compile
+        want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (ids,), train, kwargs=kwargs)
+        assert fusionpass.stats() == {}
+    assert_outcomes_close(got, want, rtol=1e-4)
