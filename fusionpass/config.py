@@ -69,6 +69,12 @@ class Config:
     # training steps with it at GPT-2's V=50257 and BERT's V=30522 (D768) were slower than plain
     # torch.compile (0.95x, 0.89x with layer_norm_dropout_residual also on).
     linear_cross_entropy_min_vocab: int = 100_000
+    # rope: route q/k rotary embeddings to fusionpass::rope (one launch for q and k). Off until
+    # measured on a GPU: plain torch.compile already streams RoPE near bandwidth.
+    rope_kernel: bool = False
+    # swiglu_mlp: route the gated MLP (act(gate(x)) * up(x)) to fusionpass::swiglu. Off until
+    # measured on a GPU: its kernels have only run under the CPU interpreter so far.
+    swiglu_mlp_kernel: bool = False
 
     def __post_init__(self):
         unknown = set(self.fusions) - set(FUSION_NAMES)
@@ -127,6 +133,12 @@ def from_env(base: Config | None = None, environ=os.environ) -> Config:
     if "FUSIONPASS_LINEAR_CROSS_ENTROPY_MIN_VOCAB" in environ:
         value = int(environ["FUSIONPASS_LINEAR_CROSS_ENTROPY_MIN_VOCAB"])
         cfg = cfg.replace(linear_cross_entropy_min_vocab=value)
+    if "FUSIONPASS_ROPE_KERNEL" in environ:
+        value = environ["FUSIONPASS_ROPE_KERNEL"].lower()
+        cfg = cfg.replace(rope_kernel=value in ("1", "true", "on", "yes"))
+    if "FUSIONPASS_SWIGLU_MLP_KERNEL" in environ:
+        value = environ["FUSIONPASS_SWIGLU_MLP_KERNEL"].lower()
+        cfg = cfg.replace(swiglu_mlp_kernel=value in ("1", "true", "on", "yes"))
     return cfg
 
 

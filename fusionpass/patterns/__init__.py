@@ -7,4 +7,6 @@ MODULES = (
     "fusionpass.patterns.layer_norm",
     "fusionpass.patterns.attention",
     "fusionpass.patterns.cross_entropy",
+    "fusionpass.patterns.swiglu",
+    "fusionpass.patterns.rope",
 )

@@ -1,0 +1,173 @@
+"""Rotary position embedding: one launch rotates q and k together.
+
+For each row x (the head_dim vector of one batch, head and position) and each rotated pair (a, b),
+    y_a = x_a * cos_a - x_b * sin_a
+    y_b = x_b * cos_b + x_a * sin_b
+which is `x * cos + rot(x) * sin` with
+    rotate_half  (HF Llama, GPT-NeoX, Phi):  a = p, b = p + rotary_dim / 2   (rot = cat(-x2, x1))
+    interleaved  (GPT-J rotate_every_two):   a = 2p, b = 2p + 1             (rot = stack(-x2, x1))
+Channels from rotary_dim to head_dim are copied (partial rotary). The backward is the transpose of
+the same linear map, the same kernel with BACKWARD set:
+    dx_a = dy_a * cos_a + dy_b * sin_b
+    dx_b = dy_b * cos_b - dy_a * sin_a
+(for the cos/sin models write, equal on both channels of a pair, this is the rotation by -sin).
+
+q and k are 4-d with any strides and their own leading sizes (GQA head counts, [B, H, S, D] or
+[B, S, H, D]); cos/sin are 4-d, broadcastable to both (size-1 dims read with stride 0), last dim
+rotary_dim, any dtype (math in fp32). Outputs have the input's layout (`empty_like`) and dtype.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from fusionpass.kernels.common import _device_guard, _for_store, _launcher
+
+
+@triton.jit
+def _rope_rows(
+    x_ptr, o_ptr, cos_ptr, sin_ptr, block, n_rows, A1, A2,
+    sx0, sx1, sx2, sx3,
+    so0, so1, so2, so3,
+    sc0, sc1, sc2, sc3,
+    ss0, ss1, ss2, ss3,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BACKWARD: tl.constexpr, ROUND_BITS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    DT: tl.constexpr = o_ptr.dtype.element_ty
+    HALF: tl.constexpr = ROT_DIM // 2
+    rows = block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    row_ok = rows < n_rows
+    i2 = rows % A2
+    i1 = (rows // A2) % A1
+    i0 = rows // (A2 * A1)
+    x_row = i0 * sx0 + i1 * sx1 + i2 * sx2
+    c_row = i0 * sc0 + i1 * sc1 + i2 * sc2
+    s_row = i0 * ss0 + i1 * ss1 + i2 * ss2
+    o_row = i0 * so0 + i1 * so1 + i2 * so2
+
+    p = tl.arange(0, BLOCK_P)
+    if INTERLEAVED:
+        ca = 2 * p
+        cb = 2 * p + 1
+    else:
+        ca = p
+        cb = p + HALF
+    mask = row_ok[:, None] & (p < HALF)[None, :]
+    xa = tl.load(x_ptr + x_row[:, None] + ca[None, :] * sx3, mask=mask, other=0.0).to(tl.float32)
+    xb = tl.load(x_ptr + x_row[:, None] + cb[None, :] * sx3, mask=mask, other=0.0).to(tl.float32)
+    cos_a = tl.load(cos_ptr + c_row[:, None] + ca[None, :] * sc3, mask=mask, other=0.0).to(tl.float32)
+    cos_b = tl.load(cos_ptr + c_row[:, None] + cb[None, :] * sc3, mask=mask, other=0.0).to(tl.float32)
+    sin_a = tl.load(sin_ptr + s_row[:, None] + ca[None, :] * ss3, mask=mask, other=0.0).to(tl.float32)
+    sin_b = tl.load(sin_ptr + s_row[:, None] + cb[None, :] * ss3, mask=mask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        ya = xa * cos_a + xb * sin_b
+        yb = xb * cos_b - xa * sin_a
+    else:
+        ya = xa * cos_a - xb * sin_a
+        yb = xb * cos_b + xa * sin_b
+    tl.store(o_ptr + o_row[:, None] + ca[None, :] * so3, _for_store(ya, DT, ROUND_BITS), mask=mask)
+    tl.store(o_ptr + o_row[:, None] + cb[None, :] * so3, _for_store(yb, DT, ROUND_BITS), mask=mask)
+
+    if HEAD_DIM > ROT_DIM:
+        c = ROT_DIM + tl.arange(0, BLOCK_PASS)
+        pmask = row_ok[:, None] & (c < HEAD_DIM)[None, :]
+        xp = tl.load(x_ptr + x_row[:, None] + c[None, :] * sx3, mask=pmask, other=0.0)
+        tl.store(o_ptr + o_row[:, None] + c[None, :] * so3, xp, mask=pmask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, qo_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr,
+    nq, QA1, QA2, sq0, sq1, sq2, sq3, sqo0, sqo1, sqo2, sqo3,
+    nk, KA1, KA2, sk0, sk1, sk2, sk3, sko0, sko1, sko2, sko3,
+    sc0, sc1, sc2, sc3,
+    ss0, ss1, ss2, ss3,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BACKWARD: tl.constexpr, ROUND_BITS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    q_blocks = tl.cdiv(nq, BLOCK_R)
+    if pid < q_blocks:
+        _rope_rows(q_ptr, qo_ptr, cos_ptr, sin_ptr, pid, nq, QA1, QA2,
+                   sq0, sq1, sq2, sq3, sqo0, sqo1, sqo2, sqo3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3,
+                   HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, ROUND_BITS,
+                   BLOCK_R, BLOCK_P, BLOCK_PASS)
+    else:
+        _rope_rows(k_ptr, ko_ptr, cos_ptr, sin_ptr, pid - q_blocks, nk, KA1, KA2,
+                   sk0, sk1, sk2, sk3, sko0, sko1, sko2, sko3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3,
+                   HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, ROUND_BITS,
+                   BLOCK_R, BLOCK_P, BLOCK_PASS)
+
+
+FORMS = ("rotate_half", "interleaved")
+
+
+def empty_out(x: torch.Tensor) -> torch.Tensor:
+    """The output for input x: x's layout where x is dense (as the eager `x * cos + ...` gives),
+    else contiguous. The fake impls use this too."""
+    return torch.empty_like(x, memory_format=torch.preserve_format)
+
+
+def _broadcast_strides(t: torch.Tensor) -> tuple:
+    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    form: str,
+    rotary_dim: int,
+    backward: bool = False,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q_out, k_out) = rotation of q and k (k may be None) in one launch; `backward` applies the
+    transposed map (for gradients). Block sizes: `block_rows` rows per program, `num_warps`."""
+    if form not in FORMS:
+        raise ValueError(f"unknown RoPE form {form!r}; known: {FORMS}")
+    head_dim = int(q.shape[-1])  # a constexpr: the pattern only matches static head dims
+    if q.dim() != 4 or cos.dim() != 4 or sin.dim() != 4:
+        raise ValueError("q, k, cos and sin must be 4-d")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and in (0, {head_dim}]")
+    if cos.shape[-1] != rotary_dim or sin.shape[-1] != rotary_dim:
+        raise ValueError(f"cos/sin last dim must be rotary_dim {rotary_dim}")
+    if k is not None and k.shape[-1] != head_dim:
+        raise ValueError("q and k must have the same head dim")
+    q_out = empty_out(q)
+    k_out = None if k is None else empty_out(k)
+    kk, kko = (q, q_out) if k is None else (k, k_out)
+    nq = q.shape[0] * q.shape[1] * q.shape[2]
+    nk = 0 if k is None else k.shape[0] * k.shape[1] * k.shape[2]
+    block_p = triton.next_power_of_2(rotary_dim // 2)
+    block_pass = triton.next_power_of_2(max(head_dim - rotary_dim, 1))
+    if block_rows is None:
+        # ~2048 rotated pairs per program
+        block_rows = max(1, min(64, 2048 // block_p))
+    if block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows {block_rows} must be a power of 2")
+    if num_warps is None:
+        num_warps = 4
+    grid = (triton.cdiv(nq, block_rows) + triton.cdiv(nk, block_rows),)
+    round_bits = q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") == "1"
+    with _device_guard(q.device):
+        _launcher(_rope_kernel, q)[grid](
+            q, q_out, kk, kko, cos, sin,
+            nq, q.shape[1], q.shape[2], *q.stride(), *q_out.stride(),
+            nk, kk.shape[1], kk.shape[2], *kk.stride(), *kko.stride(),
+            *_broadcast_strides(cos),
+            *_broadcast_strides(sin),
+            HEAD_DIM=head_dim, ROT_DIM=rotary_dim, INTERLEAVED=form == "interleaved",
+            BACKWARD=backward, ROUND_BITS=round_bits,
+            BLOCK_R=block_rows, BLOCK_P=block_p, BLOCK_PASS=block_pass,
+            num_warps=num_warps,
+        )
+    return q_out, k_out

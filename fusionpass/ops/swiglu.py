@@ -1,0 +1,173 @@
+"""fusionpass::swiglu and fusionpass::swiglu_backward: the gated MLP without its down projection.
+
+    g = x @ w_gate^T + b_gate,  u = x @ w_up^T + b_up     (model dtype, as the model's linears)
+    h = act(g) * u                                        act: "silu" or "gelu_tanh"
+
+`swiglu` returns (h, g, u): the backward needs only x, the weights and the pre-activations g and u
+(not act(g), not the product). Regimes: up to DECODE_MAX_M rows one kernel reads W_gate and W_up
+once and writes h, g, u; above, the library GEMMs compute g and u and one elementwise kernel h.
+`swiglu_backward` computes dg = dh * u * act'(g) and du = dh * act(g) in one elementwise pass; the
+autograd formula then uses matmuls for dx, dW_gate, dW_up and sums for the biases.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fusionpass.kernels.swiglu import ACTIVATIONS, DECODE_MAX_M
+
+
+def _act(g: Tensor, activation: str) -> Tensor:
+    return F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")
+
+
+def _check(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+
+
+def _reference_forward(x, w_gate, b_gate, w_up, b_up, activation):
+    g = F.linear(x, w_gate, b_gate)
+    u = F.linear(x, w_up, b_up)
+    h = (_act(g.float(), activation) * u.float()).to(x.dtype)
+    return h, g, u
+
+
+def _reference_backward(dh, g, u, activation):
+    with torch.enable_grad():
+        gf = g.detach().float().requires_grad_(True)
+        a = _act(gf, activation)
+        (da,) = torch.autograd.grad(a, gf, torch.ones_like(a))
+    dhf = dh.float()
+    return (dhf * u.float() * da).to(g.dtype), (dhf * a.detach()).to(u.dtype)
+
+
+def _rows(x: Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _kernel_forward(x, w_gate, b_gate, w_up, b_up, activation):
+    from fusionpass.kernels import swiglu as k
+
+    if _rows(x) <= DECODE_MAX_M:
+        return k.swiglu_decode_fwd(x, w_gate, b_gate, w_up, b_up, activation)
+    # prefill/training: keep the library GEMMs, fuse act*mul
+    g = F.linear(x, w_gate, b_gate)
+    u = F.linear(x, w_up, b_up)
+    return k.act_mul_fwd(g, u, activation), g, u
+
+
+def _kernel_backward(dh, g, u, activation):
+    from fusionpass.kernels.swiglu import act_mul_bwd
+
+    return act_mul_bwd(dh, g, u, activation)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# CPU tensors go through opaque custom ops (see ops/rms_norm.py): the interpreted kernel under
+# TRITON_INTERPRET=1, else the torch reference.
+
+
+@torch.library.custom_op("fusionpass::swiglu_forward_host", mutates_args=())
+def _forward_host(
+    x: Tensor,
+    w_gate: Tensor,
+    b_gate: Tensor | None,
+    w_up: Tensor,
+    b_up: Tensor | None,
+    activation: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check(activation)
+    impl = _kernel_forward if _interpreting() else _reference_forward
+    h, g, u = impl(x, w_gate, b_gate, w_up, b_up, activation)
+    return h.contiguous(), g.contiguous(), u.contiguous()
+
+
+def _fake_forward(x, w_gate, b_gate, w_up, b_up, activation):
+    shape = (*x.shape[:-1], w_gate.shape[0])
+    return x.new_empty(shape), x.new_empty(shape), x.new_empty(shape)
+
+
+_forward_host.register_fake(_fake_forward)
+
+
+@torch.library.custom_op("fusionpass::swiglu_backward_host", mutates_args=())
+def _backward_host(dh: Tensor, g: Tensor, u: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    _check(activation)
+    impl = _kernel_backward if _interpreting() else _reference_backward
+    dg, du = impl(dh, g, u, activation)
+    return dg.contiguous(), du.contiguous()
+
+
+@_backward_host.register_fake
+def _(dh, g, u, activation):
+    return torch.empty_like(g, memory_format=torch.contiguous_format), torch.empty_like(
+        u, memory_format=torch.contiguous_format
+    )
+
+
+@torch.library.triton_op("fusionpass::swiglu", mutates_args=())
+def swiglu(
+    x: Tensor,
+    w_gate: Tensor,
+    b_gate: Tensor | None,
+    w_up: Tensor,
+    b_up: Tensor | None,
+    activation: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if x.device.type != "cuda":
+        return _forward_host(x, w_gate, b_gate, w_up, b_up, activation)
+    _check(activation)
+    return _kernel_forward(x, w_gate, b_gate, w_up, b_up, activation)
+
+
+@torch.library.triton_op("fusionpass::swiglu_backward", mutates_args=())
+def swiglu_backward(dh: Tensor, g: Tensor, u: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    if dh.device.type != "cuda":
+        return _backward_host(dh, g, u, activation)
+    _check(activation)
+    return _kernel_backward(dh, g, u, activation)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_gate, b_gate, w_up, b_up, activation = inputs
+    _, g, u = output
+    ctx.save_for_backward(x, w_gate, w_up, g, u)
+    ctx.activation = activation
+    ctx.has_bias = (b_gate is not None, b_up is not None)
+    # g and u are outputs only for the backward: nobody else differentiates them (None, not zeros)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dh, dg_out, du_out):
+    x, w_gate, w_up, g, u = ctx.saved_tensors
+    if dh is None:
+        dg = du = None
+    else:
+        dg, du = torch.ops.fusionpass.swiglu_backward(dh, g, u, ctx.activation)
+    if dg_out is not None:
+        dg = dg_out if dg is None else dg + dg_out
+    if du_out is not None:
+        du = du_out if du is None else du + du_out
+    if dg is None:
+        dg = torch.zeros_like(g)
+    if du is None:
+        du = torch.zeros_like(u)
+    k, n = x.shape[-1], g.shape[-1]
+    x2, dg2, du2 = x.reshape(-1, k), dg.reshape(-1, n), du.reshape(-1, n)
+    need = ctx.needs_input_grad
+    dx = (dg2 @ w_gate + du2 @ w_up).view(x.shape) if need[0] else None
+    dw_gate = dg2.t() @ x2 if need[1] else None
+    db_gate = dg2.sum(0) if ctx.has_bias[0] and need[2] else None
+    dw_up = du2.t() @ x2 if need[3] else None
+    db_up = du2.sum(0) if ctx.has_bias[1] and need[4] else None
+    return dx, dw_gate, db_gate, dw_up, db_up, None
+
+
+swiglu.register_autograd(_backward, setup_context=_setup_context)

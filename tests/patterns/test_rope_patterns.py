@@ -1,0 +1,271 @@
+"""rope: the rotary embeddings model families write are matched (opted in), q and k sharing cos/sin
+become one fusionpass::rope call, and the compiled module computes what the eager one computes,
+forward and q/k gradients; what must not be matched is left alone with a near-miss reason.
+
+The modules below are written the way transformers 5.x writes them: HF `apply_rotary_pos_emb` with
+`rotate_half` and `cos.unsqueeze(1)` (Llama, GQA), GPT-NeoX/Phi-3 partial rotary (slice, rotate,
+cat the pass-through back), GPT-J's interleaved `rotate_every_two` on [B, S, H, D] with
+`repeat_interleave`d cos/sin. cos/sin are buffers (no gradient), as the models compute them.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    assert_outcomes_close,
+    compile_and_count,
+    eager,
+    fused_graph,
+    near_misses,
+)
+from torch import nn
+
+FUSION = "rope"
+FP32, BF16 = torch.float32, torch.bfloat16
+B, S, D = 2, 7, 16
+
+
+@pytest.fixture
+def opted_in(monkeypatch):
+    monkeypatch.setenv("FUSIONPASS_ROPE_KERNEL", "1")
+
+
+def counts(**variants):
+    return {(FUSION, v): n for v, n in variants.items()}
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_every_two(x):
+    x1 = x[:, :, :, ::2]
+    x2 = x[:, :, :, 1::2]
+    x = torch.stack((-x2, x1), dim=-1)
+    return x.flatten(-2)
+
+
+def _freqs(dim, seq=S):
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    return torch.outer(torch.arange(seq).float(), inv)[None]  # [1, S, dim/2]
+
+
+class LlamaRope(nn.Module):
+    """HF Llama/Mistral/Qwen2 `apply_rotary_pos_emb`: q [B, Hq, S, D], k [B, Hkv, S, D] (GQA),
+    both transposes of [B, S, H, D] projections."""
+
+    def __init__(self, dtype=FP32, cos_dtype=None):
+        super().__init__()
+        emb = torch.cat((_freqs(D), _freqs(D)), -1)
+        self.register_buffer("cos", emb.cos().to(cos_dtype or dtype))
+        self.register_buffer("sin", emb.sin().to(cos_dtype or dtype))
+
+    def forward(self, q, k):
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
+        q_embed = (q * cos) + (rotate_half(q) * sin)
+        k_embed = (k * cos) + (rotate_half(k) * sin)
+        return q_embed, k_embed
+
+
+class NeoXRope(nn.Module):
+    """HF GPT-NeoX (rotary_pct=0.25) / Phi-3 (partial_rotary_factor): q, k chunks of one fused qkv
+    projection, the first rotary_dim channels rotated, the rest concatenated back."""
+
+    rotary_dim = D // 4
+
+    def __init__(self):
+        super().__init__()
+        emb = torch.cat((_freqs(self.rotary_dim),) * 2, -1)
+        self.register_buffer("cos", emb.cos())
+        self.register_buffer("sin", emb.sin())
+
+    def forward(self, qkv):
+        q, k, _ = qkv.view(B, S, 4, 3 * D).transpose(1, 2).chunk(3, dim=-1)
+        cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
+        r = self.rotary_dim
+        q_rot, q_pass = q[..., :r], q[..., r:]
+        k_rot, k_pass = k[..., :r], k[..., r:]
+        q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
+        k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
+        return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)
+
+
+class GPTJRope(nn.Module):
+    """HF GPT-J: [B, S, H, D], interleaved pairs, cos/sin repeat_interleave'd; k rotated first.
+    rotary_dim=None rotates every channel."""
+
+    def __init__(self, rotary_dim=8):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        dim = rotary_dim or D
+        self.register_buffer("sincos", torch.cat((_freqs(dim).sin(), _freqs(dim).cos()), -1))
+
+    def _apply(self, t, sin, cos):
+        sin = torch.repeat_interleave(sin[:, :, None, :], 2, 3)
+        cos = torch.repeat_interleave(cos[:, :, None, :], 2, 3)
+        return (t * cos) + (rotate_every_two(t) * sin)
+
+    def forward(self, q, k):
+        sin, cos = torch.split(self.sincos, self.sincos.shape[-1] // 2, dim=-1)
+        r = self.rotary_dim
+        if r is None:
+            return self._apply(q, sin, cos), self._apply(k, sin, cos)
+        k_rot, k_pass = k[:, :, :, :r], k[:, :, :, r:]
+        q_rot, q_pass = q[:, :, :, :r], q[:, :, :, r:]
+        k_rot = self._apply(k_rot, sin, cos)
+        q_rot = self._apply(q_rot, sin, cos)
+        return torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1)
+
+
+class QueryOnlyRope(LlamaRope):
+    """Only q rotated (k taken as is): one single-tensor call."""
+
+    def forward(self, q, k):
+        q = q.transpose(1, 2)
+        cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * 2
+
+
+def _qk(dtype=FP32, hq=4, hkv=2):
+    return torch.randn(B, S, hq, D).to(dtype), torch.randn(B, S, hkv, D).to(dtype)
+
+
+CASES = {
+    "llama": (LlamaRope, lambda: _qk(), counts(rotate_half=1)),
+    "neox_partial": (NeoXRope, lambda: (torch.randn(B, S, 12 * D),), counts(rotate_half_partial=1)),
+    "gptj_partial": (GPTJRope, lambda: _qk(hkv=4), counts(interleaved_partial=1)),
+    "gptj_full": (lambda: GPTJRope(None), lambda: _qk(hkv=4), counts(interleaved=1)),
+    "query_only": (QueryOnlyRope, lambda: _qk(), counts(rotate_half_single=1)),
+}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_forms_match_and_agree(case, train, opted_in):
+    make, inputs, expected = CASES[case]
+    module, args = make(), inputs()
+    got, stats = compile_and_count(module, *args, fusions=[FUSION], train=train)
+    assert stats == expected
+    assert_outcomes_close(got, eager(module, *args, train=train))
+
+
+def test_bf16_llama(opted_in):
+    module, args = LlamaRope(BF16), _qk(BF16)
+    got, stats = compile_and_count(module, *args, fusions=[FUSION], train=True)
+    assert stats == counts(rotate_half=1)
+    assert_outcomes_close(got, eager(module, *args, train=True), dtype=BF16)
+
+
+def test_dynamic_sequence(opted_in):
+    module, (q, k) = LlamaRope(), _qk()
+    for t in (q, k):
+        torch._dynamo.mark_dynamic(t, 0)
+    got, stats = compile_and_count(module, q, k, fusions=[FUSION])
+    assert stats == counts(rotate_half=1)
+    assert_outcomes_close(got, eager(module, q, k))
+
+
+def test_graph_has_one_call(opted_in):
+    gm, _, record = fused_graph(LlamaRope(), *_qk(), fusions=[FUSION])
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.fusionpass.rope.default]
+    assert len(calls) == 1 and calls[0].args[4:] == ("rotate_half", D)
+    assert not any(n.target is torch.cat for n in gm.graph.nodes)
+    assert record.matches == counts(rotate_half=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# near misses
+
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv("FUSIONPASS_ROPE_KERNEL", raising=False)
+    module, args = LlamaRope(), _qk()
+    _, stats = compile_and_count(module, *args, fusions=[FUSION])
+    assert stats == {}
+    assert near_misses("opt-in until measured on a GPU")
+
+
+def test_mixed_dtypes(opted_in):
+    """bf16 q/k times fp32 cos/sin computes in fp32 (and returns fp32): left to Inductor."""
+    module, args = LlamaRope(BF16, cos_dtype=FP32), _qk(BF16)
+    _, stats = compile_and_count(module, *args, fusions=[FUSION])
+    assert stats == {}
+    assert near_misses("mixed-dtype math")
+
+
+class CosAsInput(nn.Module):
+    def forward(self, q, cos, sin):
+        return q * cos + rotate_half(q) * sin
+
+
+def test_cos_sin_with_grad(opted_in):
+    q = torch.randn(B, 4, S, D)
+    cos, sin = torch.randn(1, 1, S, D), torch.randn(1, 1, S, D)
+    module = CosAsInput()
+    got, stats = compile_and_count(module, q, cos, sin, fusions=[FUSION], train=True)
+    assert stats == {}
+    assert near_misses("cos requires grad")
+    assert_outcomes_close(got, eager(module, q, cos, sin, train=True))
+
+
+class LeakyRope(LlamaRope):
+    def forward(self, q, k):
+        q = q.transpose(1, 2)
+        cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
+        rotated = rotate_half(q)
+        return q * cos + rotated * sin, rotated
+
+
+def test_intermediate_used_elsewhere(opted_in):
+    _, stats = compile_and_count(LeakyRope(), *_qk(), fusions=[FUSION])
+    assert stats == {}
+    assert near_misses("is used elsewhere")
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny Hugging Face models: 1 layer, one call per layer (q and k together), training
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 1,
+    "intermediate_size": 128,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
+
+
+def _hf(name):
+    torch.manual_seed(0)
+    if name == "llama":
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(num_key_value_heads=2, **COMMON))
+        variant = "rotate_half"
+    elif name == "gpt_neox":
+        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(rotary_pct=0.25, **COMMON))
+        variant = "rotate_half_partial"
+    elif name == "phi3":  # partial rotary with GQA
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0, **COMMON))
+        variant = "rotate_half_partial"
+    else:
+        model = transformers.GPTJForCausalLM(transformers.GPTJConfig(
+            n_embd=64, n_head=4, n_layer=1, rotary_dim=8, vocab_size=128, n_positions=64))
+        variant = "interleaved_partial"
+    return model.eval(), variant
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_neox", "phi3", "gptj"])
+def test_hf_models_training(name, opted_in):
+    model, variant = _hf(name)
+    ids = torch.randint(0, 128, (2, 9))
+    kwargs = {"use_cache": False, "labels": ids}
+    got, stats = compile_and_count(model, ids, fusions=[FUSION], train=True, kwargs=kwargs)
+    assert stats == counts(**{variant: 1})
+    assert [m for m in near_misses() if m[0] == FUSION] == []
+    assert_outcomes_close(got, eager(model, ids, train=True, kwargs=kwargs), rtol=1e-4)

@@ -1,0 +1,189 @@
+"""swiglu_mlp: the gated MLPs of HF Llama/Qwen2 (SiLU), Gemma (GELU-tanh) and Phi-3 (fused gate_up
++ chunk) are matched when opted in (FUSIONPASS_SWIGLU_MLP_KERNEL=1), counted per variant, and
+compute what eager / plain torch.compile compute, forward and backward; off by default, mixed
+dtypes and a product used elsewhere are near misses."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import (
+    assert_outcomes_close,
+    compile_and_count,
+    compiling,
+    eager,
+    near_misses,
+    run,
+)
+from torch import nn
+
+FUSION = "swiglu_mlp"
+K, N = 40, 24  # hidden, intermediate: not multiples of the kernel blocks
+FP32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _opt_in(monkeypatch):
+    monkeypatch.setenv("FUSIONPASS_SWIGLU_MLP_KERNEL", "1")
+
+
+class GatedMLP(nn.Module):
+    """HF Llama/Qwen2 (`silu`) and Gemma (`gelu_tanh`) spelling."""
+
+    def __init__(self, act="silu", bias=False, leak=False):
+        super().__init__()
+        self.gate_proj = nn.Linear(K, N, bias=bias)
+        self.up_proj = nn.Linear(K, N, bias=bias)
+        self.down_proj = nn.Linear(N, K, bias=False)
+        self.act, self.leak = act, leak
+
+    def forward(self, x):
+        g = self.gate_proj(x)
+        a = F.silu(g) if self.act == "silu" else F.gelu(g, approximate="tanh")
+        h = a * self.up_proj(x)
+        out = self.down_proj(h)
+        return (out, h.sum(-1)) if self.leak else out
+
+
+class Phi3MLP(nn.Module):
+    """HF Phi-3: `gate_up_proj` then chunk, `up * act(gate)`."""
+
+    def __init__(self, bias=False):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(K, 2 * N, bias=bias)
+        self.down_proj = nn.Linear(N, K, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * F.silu(gate))
+
+
+CASES = {
+    "silu": (lambda b: GatedMLP("silu", b), "silu"),
+    "gelu_tanh": (lambda b: GatedMLP("gelu_tanh", b), "gelu_tanh"),
+    "phi3": (lambda b: Phi3MLP(b), "silu_gate_up"),
+}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_forms_match_and_agree(case, bias, train):
+    make, variant = CASES[case]
+    mlp = make(bias)
+    x = torch.randn(2, 5, K)
+    got, stats = compile_and_count(mlp, x, fusions=[FUSION], train=train)
+    assert stats == {(FUSION, variant): 1}
+    assert near_misses() == []
+    assert_outcomes_close(got, eager(mlp, x, train=train), rtol=1e-4)
+
+
+def test_large_m_regime_training():
+    """More than 64 rows: library GEMMs + the fused act*mul kernel; gradients agree."""
+    mlp = GatedMLP("gelu_tanh", bias=True)
+    x = torch.randn(3, 30, K)
+    got, stats = compile_and_count(mlp, x, fusions=[FUSION], train=True)
+    assert stats == {(FUSION, "gelu_tanh"): 1}
+    assert_outcomes_close(got, eager(mlp, x, train=True), rtol=1e-4)
+
+
+def test_bf16_agrees_with_plain_compile():
+    mlp = GatedMLP("silu").to(BF16)
+    x = torch.randn(1, 4, K, dtype=BF16)
+    got, stats = compile_and_count(mlp, x, fusions=[FUSION], train=True)
+    assert stats == {(FUSION, "silu"): 1}
+    with compiling():
+        expected = run(torch.compile(mlp, backend="inductor", fullgraph=True), mlp, (x,), train=True)
+    assert_outcomes_close(got, expected, BF16)
+
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv("FUSIONPASS_SWIGLU_MLP_KERNEL")
+    mlp = GatedMLP()
+    x = torch.randn(2, 3, K)
+    got, stats = compile_and_count(mlp, x, fusions=[FUSION])
+    assert stats == {}
+    [(fusion, _, why)] = near_misses()
+    assert fusion == FUSION and "opt-in until measured on a GPU" in why
+    assert_outcomes_close(got, eager(mlp, x))
+
+
+def test_mixed_dtypes_near_miss():
+    """Under autocast the linears read fp32 x and weights and return bf16: mixed-dtype math."""
+
+    class Autocast(GatedMLP):
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=BF16):
+                return super().forward(x)
+
+    mlp = Autocast()
+    x = torch.randn(2, 3, K)
+    got, stats = compile_and_count(mlp, x, fusions=[FUSION])
+    assert stats == {}
+    [(_, _, why)] = near_misses()
+    assert why.startswith("dtype:") and "mixed-dtype" in why, why
+    assert_outcomes_close(got, eager(mlp, x), BF16)
+
+
+def test_cast_between_pieces_near_miss():
+    class Cast(GatedMLP):
+        def forward(self, x):
+            return self.down_proj(F.silu(self.gate_proj(x).float()) * self.up_proj(x))
+
+    _, stats = compile_and_count(Cast(), torch.randn(2, 3, K), fusions=[FUSION])
+    assert stats == {}
+    assert len(near_misses()) == 1
+
+
+def test_product_used_elsewhere_near_miss():
+    mlp = GatedMLP(leak=True)
+    x = torch.randn(2, 3, K)
+    got, stats = compile_and_count(mlp, x, fusions=[FUSION])
+    assert stats == {}
+    [(_, _, why)] = near_misses()
+    assert why.startswith("down_projection:")
+    assert_outcomes_close(got, eager(mlp, x))
+
+
+def test_exact_gelu_near_miss():
+    class ExactGelu(GatedMLP):
+        def forward(self, x):
+            return self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))
+
+    _, stats = compile_and_count(ExactGelu(), torch.randn(2, 3, K), fusions=[FUSION])
+    assert stats == {}
+    [(_, _, why)] = near_misses()
+    assert why.startswith("activation:")
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny Hugging Face models (transformers' own MLP modules)
+
+HF_VARIANTS = {"llama": "silu", "qwen2": "silu", "gemma": "gelu_tanh", "phi3": "silu_gate_up"}
+
+
+def _tiny_hf(name, layers=1):
+    pytest.importorskip("transformers")
+    from fusionpass.demo import tiny_hf
+
+    return tiny_hf(name, layers=layers, width=64, num_key_value_heads=1, intermediate_size=96)
+
+
+@pytest.mark.parametrize("name", list(HF_VARIANTS))
+def test_tiny_hf_mlp(name):
+    mlp = _tiny_hf(name).model.layers[0].mlp
+    x = torch.randn(2, 3, 64)
+    got, stats = compile_and_count(mlp, x, fusions=[FUSION], train=True)
+    assert stats == {(FUSION, HF_VARIANTS[name]): 1}
+    assert near_misses() == []
+    assert_outcomes_close(got, eager(mlp, x, train=True), rtol=1e-4)
+
+
+def test_tiny_hf_llama_one_match_per_layer():
+    model = _tiny_hf("llama", layers=2).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 5))
+    kwargs = {"use_cache": False}
+    got, stats = compile_and_count(model, ids, fusions=[FUSION], kwargs=kwargs)
+    assert stats == {(FUSION, "silu"): 2}
+    assert near_misses() == []
+    assert_outcomes_close(got, eager(model, ids, kwargs=kwargs), rtol=1e-4)
