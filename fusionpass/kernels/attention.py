@@ -207,6 +207,36 @@ def _query_ranges(n0, Lq, shift, kv_end, window, CAUSAL: tl.constexpr, WINDOWED:
 
 
 @triton.jit
+def _diagonal_shift(Lq, Lk, BOTTOM_RIGHT: tl.constexpr):
+    """Key position of query 0 (see the module docstring): Lk - Lq bottom-right, 0 top-left."""
+    if BOTTOM_RIGHT:
+        shift = Lk - Lq
+    else:
+        shift = 0
+    return shift
+
+
+@triton.jit
+def _alibi_slope2(SLOPES, h, ALIBI: tl.constexpr):
+    """Head h's ALiBi slope in the kernels' base-2 units (0 without ALiBi)."""
+    if ALIBI:
+        slope2 = tl.load(SLOPES + h) * _LOG2E
+    else:
+        slope2 = 0.0
+    return slope2
+
+
+@triton.jit
+def _valid_keys(KVLEN, b, Lk, HAS_KVLEN: tl.constexpr):
+    """Keys of batch row b at or past this are padding (kv_lengths clamped to [0, Lk])."""
+    if HAS_KVLEN:
+        kv_end = tl.maximum(tl.minimum(tl.load(KVLEN + b), Lk), 0)
+    else:
+        kv_end = Lk
+    return kv_end
+
+
+@triton.jit
 def _dropout_rows(bh, Lq, rows):
     """Philox row counter of query rows `rows` of (batch * head) bh: (bh * Lq + row) mod 2**32, int32."""
     return (bh.to(tl.int64) * Lq + rows).to(tl.int32)
@@ -267,10 +297,7 @@ def _fwd_kernel(
     # torch.compile passes Python floats as fp64 scalars; the math is fp32, in base 2.
     qk_scale = tl.cast(qk_scale, tl.float32) * _LOG2E
     drop_scale = tl.cast(drop_scale, tl.float32)
-    if DROPOUT:
-        k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
-    else:
-        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
+    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     pid_m = pid % num_m
     bh = pid // num_m
@@ -283,10 +310,7 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     row_ok = offs_m < Lq
-    if BOTTOM_RIGHT:
-        shift = Lk - Lq
-    else:
-        shift = 0
+    shift = _diagonal_shift(Lq, Lk, BOTTOM_RIGHT)
     pos = offs_m + shift
     row_end = tl.minimum(m0 + BLOCK_M, Lq)
 
@@ -296,14 +320,8 @@ def _fwd_kernel(
     k_base = K + b64 * skb + hk.to(tl.int64) * skh
     v_base = V + b64 * svb + hk.to(tl.int64) * svh
     kp_base = KPM + b64 * skpb
-    if ALIBI:
-        slope2 = tl.load(SLOPES + h) * _LOG2E
-    else:
-        slope2 = 0.0
-    if HAS_KVLEN:
-        kv_end = tl.maximum(tl.minimum(tl.load(KVLEN + b), Lk), 0)
-    else:
-        kv_end = Lk
+    slope2 = _alibi_slope2(SLOPES, h, ALIBI)
+    kv_end = _valid_keys(KVLEN, b, Lk, HAS_KVLEN)
     drop_rows = _dropout_rows(bh, Lq, offs_m)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -410,10 +428,7 @@ def _bwd_dkdv_kernel(
     sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = sm_scale * _LOG2E
     drop_scale = tl.cast(drop_scale, tl.float32)
-    if DROPOUT:
-        k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
-    else:
-        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
+    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     pid_n = pid % num_n
     bhk = pid // num_n
@@ -424,19 +439,13 @@ def _bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    if BOTTOM_RIGHT:
-        shift = Lk - Lq
-    else:
-        shift = 0
+    shift = _diagonal_shift(Lq, Lk, BOTTOM_RIGHT)
     b64 = b.to(tl.int64)
     hk64 = hk.to(tl.int64)
     kv_mask = (cols < Lk)[:, None] & d_ok[None, :]
     k = _load(K + b64 * skb + hk64 * skh + cols[:, None] * skn + offs_d[None, :] * skd, kv_mask, INTERP)
     v = _load(V + b64 * svb + hk64 * svh + cols[:, None] * svn + offs_d[None, :] * svd, kv_mask, INTERP)
-    if HAS_KVLEN:
-        kv_end = tl.maximum(tl.minimum(tl.load(KVLEN + b), Lk), 0)
-    else:
-        kv_end = Lk
+    kv_end = _valid_keys(KVLEN, b, Lk, HAS_KVLEN)
     if HAS_KPM:
         kp = tl.load(KPM + b64 * skpb + cols * skpn, mask=cols < kv_end, other=0) != 0
     else:
@@ -454,10 +463,7 @@ def _bwd_dkdv_kernel(
         do_base = DO + b64 * sdob + h64 * sdoh
         lse_base = LSE + bh.to(tl.int64) * Lq
         delta_base = DELTA + bh.to(tl.int64) * Lq
-        if ALIBI:
-            slope2 = tl.load(SLOPES + h) * _LOG2E
-        else:
-            slope2 = 0.0
+        slope2 = _alibi_slope2(SLOPES, h, ALIBI)
         if CAUSAL:
             dk, dv = _dkdv_steps(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, lo, full_lo, n0, cols, kp,
@@ -528,10 +534,7 @@ def _bwd_dq_kernel(
     sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = sm_scale * _LOG2E
     drop_scale = tl.cast(drop_scale, tl.float32)
-    if DROPOUT:
-        k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
-    else:
-        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
+    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     pid_m = pid % num_m
     bh = pid // num_m
@@ -544,10 +547,7 @@ def _bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     row_ok = offs_m < Lq
-    if BOTTOM_RIGHT:
-        shift = Lk - Lq
-    else:
-        shift = 0
+    shift = _diagonal_shift(Lq, Lk, BOTTOM_RIGHT)
     pos = offs_m + shift
     row_end = tl.minimum(m0 + BLOCK_M, Lq)
     b64 = b.to(tl.int64)
@@ -560,14 +560,8 @@ def _bwd_dq_kernel(
     k_base = K + b64 * skb + hk.to(tl.int64) * skh
     v_base = V + b64 * svb + hk.to(tl.int64) * svh
     kp_base = KPM + b64 * skpb
-    if ALIBI:
-        slope2 = tl.load(SLOPES + h) * _LOG2E
-    else:
-        slope2 = 0.0
-    if HAS_KVLEN:
-        kv_end = tl.maximum(tl.minimum(tl.load(KVLEN + b), Lk), 0)
-    else:
-        kv_end = Lk
+    slope2 = _alibi_slope2(SLOPES, h, ALIBI)
+    kv_end = _valid_keys(KVLEN, b, Lk, HAS_KVLEN)
     drop_rows = _dropout_rows(bh, Lq, offs_m)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

@@ -84,19 +84,23 @@ _RNG_ARGS = ["seed_lo", "seed_hi", "off_lo", "off_hi", "thr"]
 # Dropout RNG
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR: tl.constexpr):
-    """(k0, k1, o0, o1, threshold) as uint32 scalars. The 32-bit words arrive as int32 (always the
-    same kernel signature), the seed optionally as an int64 in device memory."""
-    if SEED_PTR:
-        s = tl.load(SEED)
-        k0 = (s & 0xFFFFFFFF).to(tl.uint32)
-        k1 = ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
+def _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR: tl.constexpr, DROPOUT: tl.constexpr):
+    """(k0, k1, o0, o1, threshold) as uint32 scalars (placeholder zeros without DROPOUT). The 32-bit
+    words arrive as int32 (always the same kernel signature), the seed optionally as an int64 in
+    device memory."""
+    if DROPOUT:
+        if SEED_PTR:
+            s = tl.load(SEED)
+            k0 = (s & 0xFFFFFFFF).to(tl.uint32)
+            k1 = ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        else:
+            k0 = tl.cast(seed_lo, tl.int32).to(tl.uint32, bitcast=True)
+            k1 = tl.cast(seed_hi, tl.int32).to(tl.uint32, bitcast=True)
+        o0 = tl.cast(off_lo, tl.int32).to(tl.uint32, bitcast=True)
+        o1 = tl.cast(off_hi, tl.int32).to(tl.uint32, bitcast=True)
+        t = tl.cast(thr, tl.int32).to(tl.uint32, bitcast=True)
     else:
-        k0 = tl.cast(seed_lo, tl.int32).to(tl.uint32, bitcast=True)
-        k1 = tl.cast(seed_hi, tl.int32).to(tl.uint32, bitcast=True)
-    o0 = tl.cast(off_lo, tl.int32).to(tl.uint32, bitcast=True)
-    o1 = tl.cast(off_hi, tl.int32).to(tl.uint32, bitcast=True)
-    t = tl.cast(thr, tl.int32).to(tl.uint32, bitcast=True)
+        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
     return k0, k1, o0, o1, t
 
 
@@ -124,7 +128,7 @@ def _mask_kernel(
     SEED_PTR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # The keep mask as int8, for tests: the same _keep the forward and backward call.
-    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
+    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, True)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     col0 = tl.program_id(1) * BLOCK_N
     c = col0 + tl.arange(0, BLOCK_N)[None, :]
@@ -155,10 +159,7 @@ def _fwd_kernel(
     # from x and residual (when h is not stored), and writes y.
     IN_DT: tl.constexpr = X.dtype.element_ty
     OUT_DT: tl.constexpr = Y.dtype.element_ty
-    if DROPOUT:
-        k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
-    else:
-        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
+    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -284,10 +285,7 @@ def _bwd_kernel(
     scale = tl.cast(scale, tl.float32)
     IN_DT: tl.constexpr = H.dtype.element_ty
     DX_DT: tl.constexpr = DX.dtype.element_ty
-    if DROPOUT:
-        k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
-    else:
-        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
+    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -345,10 +343,7 @@ def _bwd_chunked_kernel(
     scale = tl.cast(scale, tl.float32)
     IN_DT: tl.constexpr = H.dtype.element_ty
     DX_DT: tl.constexpr = DX.dtype.element_ty
-    if DROPOUT:
-        k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR)
-    else:
-        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
+    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
