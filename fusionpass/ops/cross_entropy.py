@@ -28,17 +28,13 @@ else with a torch reference of the row step (`fusionpass explain` on a machine w
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
+from fusionpass.ops import host
+
 # reduction names the op accepts (F.cross_entropy's "none" is left to Inductor)
 REDUCTIONS = ("mean", "sum")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _reference_step(
@@ -82,7 +78,7 @@ def _forward(h, weight, bias, labels, ignore_index, label_smoothing, softcap, so
              reduction, return_logits, need_dh, need_dw, need_db):
     from fusionpass.kernels.cross_entropy import linear_cross_entropy_fwd
 
-    step = None if h.device.type == "cuda" or _interpreting() else _reference_step
+    step = None if h.device.type == "cuda" or host.interpreting() else _reference_step
     lead = h.shape[:-1]
     loss, logits, dh, dw, db = linear_cross_entropy_fwd(
         h.reshape(-1, h.shape[-1]),
@@ -105,10 +101,6 @@ def _forward(h, weight, bias, labels, ignore_index, label_smoothing, softcap, so
     if dh is not None:
         dh = dh.view(h.shape)
     return loss, logits, dh, dw, db
-
-
-def _none(t: Tensor) -> Tensor:
-    return t.new_empty(0)
 
 
 @torch.library.custom_op("fusionpass::linear_cross_entropy", mutates_args=())
@@ -136,10 +128,10 @@ def linear_cross_entropy(
     loss = loss if upcast else loss.to(h.dtype)
     return (
         loss,
-        _none(h) if logits is None else logits,
-        _none(h) if dh is None else dh,
-        _none(h) if dw is None else dw,
-        _none(h) if db is None else db,
+        host.none(h) if logits is None else logits,
+        host.none(h) if dh is None else dh,
+        host.none(h) if dw is None else dw,
+        host.none(h) if db is None else db,
     )
 
 
@@ -148,10 +140,10 @@ def _(h, weight, bias, labels, ignore_index, label_smoothing, softcap, softcap_r
       reduction, upcast, return_logits, need_dh, need_dw, need_db):
     vocab = weight.shape[0]
     loss = h.new_empty((), dtype=torch.float32 if upcast else h.dtype)
-    logits = h.new_empty((*h.shape[:-1], vocab)) if return_logits else _none(h)
-    dh = torch.empty_like(h, memory_format=torch.contiguous_format) if need_dh else _none(h)
-    dw = weight.new_empty(weight.shape) if need_dw else _none(h)
-    db = bias.new_empty(bias.shape) if need_db and bias is not None else _none(h)
+    logits = h.new_empty((*h.shape[:-1], vocab)) if return_logits else host.none(h)
+    dh = torch.empty_like(h, memory_format=torch.contiguous_format) if need_dh else host.none(h)
+    dw = weight.new_empty(weight.shape) if need_dw else host.none(h)
+    db = bias.new_empty(bias.shape) if need_db and bias is not None else host.none(h)
     return loss, logits, dh, dw, db
 
 

@@ -20,19 +20,15 @@ Not yet compiled or timed on a GPU: the patterns route here only with Config.att
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
+
+from fusionpass.ops import host
 
 # Launch overrides for CPU tensors (the interpreter): keys of attention_fwd/attention_bwd
 # (block_m, block_n, dq_block_m, dq_block_n). Empty: the kernels' defaults. Results do not depend
 # on them beyond fp32 summation order; tests may shrink them.
 CPU_BLOCKS: dict[str, int] = {}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _options(key_padding, scale, causal, window, align_bottom_right, dropout_p, seed) -> dict:
@@ -136,7 +132,7 @@ def _forward_host(
     align_bottom_right: bool, dropout_p: float, seed: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     args = (q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
-    if _interpreting():
+    if host.interpreting():
         out, lse = _kernel_forward(*args, blocks=CPU_BLOCKS)
     else:
         out, lse = _reference(*args)
@@ -145,7 +141,7 @@ def _forward_host(
 
 @_forward_host.register_fake
 def _(q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed):
-    return _empty(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return host.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("fusionpass::flash_attention_backward_host", mutates_args=())
@@ -154,7 +150,7 @@ def _backward_host(
     scale: float, causal: bool, window: int, align_bottom_right: bool, dropout_p: float, seed: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     args = (do, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
-    if _interpreting():
+    if host.interpreting():
         dq, dk, dv = _kernel_backward(*args, blocks=CPU_BLOCKS)
     else:
         dq, dk, dv = _reference_backward(*args)
@@ -163,11 +159,7 @@ def _backward_host(
 
 @_backward_host.register_fake
 def _(do, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed):
-    return _empty(q), _empty(k), _empty(v)
-
-
-def _empty(t: Tensor) -> Tensor:
-    return torch.empty_like(t, memory_format=torch.contiguous_format)
+    return host.empty_like(q), host.empty_like(k), host.empty_like(v)
 
 
 # ---------------------------------------------------------------------------------------------

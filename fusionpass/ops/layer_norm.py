@@ -12,26 +12,18 @@ fresh seed per call (the pattern inserts `torch.randint` into the graph, once pe
 
 from __future__ import annotations
 
-import os
 import struct
 
 import torch
 from torch import Tensor
+
+from fusionpass.ops import host
 
 _U32 = 0xFFFFFFFF
 
 
 def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
-
-
-def _empty(t: Tensor) -> Tensor:
-    return torch.empty_like(t, memory_format=torch.contiguous_format)
-
-
-def _none(t: Tensor) -> Tensor:
-    # Schemas return Tensors: "no such output" is an empty one.
-    return t.new_empty(0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +130,7 @@ def _forward_outputs(x, y, h, mean, rstd):
     """Fix the output contract: contiguous y, a fresh h (the kernel hands back x itself when there
     is nothing to add or drop: an output must not alias an input), stats shaped like x's rows."""
     if h is None:
-        h = _none(x)
+        h = host.none(x)
     elif h is x:
         h = x.clone(memory_format=torch.contiguous_format)
     rows = x.shape[:-1]
@@ -152,19 +144,15 @@ def _backward_outputs(h, dx, dresidual, dweight, dbias):
         dresidual = dx.clone()
     return (
         dx.view(h.shape),
-        _none(h) if dresidual is None else dresidual.view(h.shape),
-        _none(h) if dweight is None else dweight,
-        _none(h) if dbias is None else dbias,
+        host.none(h) if dresidual is None else dresidual.view(h.shape),
+        host.none(h) if dweight is None else dweight,
+        host.none(h) if dbias is None else dbias,
     )
 
 
 # ---------------------------------------------------------------------------------------------
 # host ops: CPU tensors go through opaque custom ops, because Inductor cannot trace a Triton
 # kernel that runs under the interpreter.
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @torch.library.custom_op("fusionpass::layer_norm_forward_host", mutates_args=())
@@ -178,7 +166,7 @@ def _forward_host(
     p: float,
     store_h: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    impl = _kernel_forward if _interpreting() else _reference_forward
+    impl = _kernel_forward if host.interpreting() else _reference_forward
     y, h, mean, rstd = impl(x, residual, weight, bias, seed, eps, p, store_h)
     return _forward_outputs(x, y, h, mean, rstd)
 
@@ -186,7 +174,7 @@ def _forward_host(
 @_forward_host.register_fake
 def _(x, residual, weight, bias, seed, eps, p, store_h):
     stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    return _empty(x), (_empty(x) if store_h else _none(x)), stats, torch.empty_like(stats)
+    return host.empty_like(x), (host.empty_like(x) if store_h else host.none(x)), stats, torch.empty_like(stats)
 
 
 @torch.library.custom_op("fusionpass::layer_norm_backward_host", mutates_args=())
@@ -204,7 +192,7 @@ def _backward_host(
     need_dbias: bool,
     need_dresidual: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    impl = _kernel_backward if _interpreting() else _reference_backward
+    impl = _kernel_backward if host.interpreting() else _reference_backward
     args = (dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual)
     return _backward_outputs(h, *impl(*args))
 
@@ -212,10 +200,10 @@ def _backward_host(
 @_backward_host.register_fake
 def _(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual):
     return (
-        _empty(h),
-        _empty(h) if need_dresidual else _none(h),
-        torch.empty_like(weight) if need_dweight else _none(h),
-        torch.empty_like(bias) if need_dbias else _none(h),
+        host.empty_like(h),
+        host.empty_like(h) if need_dresidual else host.none(h),
+        torch.empty_like(weight) if need_dweight else host.none(h),
+        torch.empty_like(bias) if need_dbias else host.none(h),
     )
 
 

@@ -11,10 +11,10 @@ backward op serves both: dx is the gradient of x *and* of residual.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
+
+from fusionpass.ops import host
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -55,10 +55,6 @@ def _reference_backward(dy, dh, h, rstd, weight, weight_offset, weight_after_cas
 # `fusionpass explain` runs on a machine without a GPU).
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @torch.library.custom_op("fusionpass::rms_norm_forward_host", mutates_args=())
 def _forward_host(
     x: Tensor,
@@ -68,7 +64,7 @@ def _forward_host(
     weight_offset: float,
     weight_after_cast: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    impl = _kernel_forward if _interpreting() else _reference_forward
+    impl = _kernel_forward if host.interpreting() else _reference_forward
     y, h, rstd = impl(x, residual, weight, eps, weight_offset, weight_after_cast)
     # outputs must not alias inputs (h is x itself without a residual)
     h = h.clone() if residual is None else h.contiguous()
@@ -77,7 +73,7 @@ def _forward_host(
 
 @_forward_host.register_fake
 def _(x, residual, weight, eps, weight_offset, weight_after_cast):
-    return _empty(x), _empty(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return host.empty_like(x), host.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("fusionpass::rms_norm_backward_host", mutates_args=())
@@ -91,18 +87,14 @@ def _backward_host(
     weight_after_cast: bool,
     need_dweight: bool,
 ) -> tuple[Tensor, Tensor]:
-    impl = _kernel_backward if _interpreting() else _reference_backward
+    impl = _kernel_backward if host.interpreting() else _reference_backward
     dx, dweight = impl(dy, dh, h, rstd, weight, weight_offset, weight_after_cast, need_dweight)
     return dx.contiguous(), dy.new_empty(0) if dweight is None else dweight
 
 
 @_backward_host.register_fake
 def _(dy, dh, h, rstd, weight, weight_offset, weight_after_cast, need_dweight):
-    return _empty(h), weight.new_empty(weight.shape) if need_dweight else dy.new_empty(0)
-
-
-def _empty(t: Tensor) -> Tensor:
-    return torch.empty_like(t, memory_format=torch.contiguous_format)
+    return host.empty_like(h), weight.new_empty(weight.shape) if need_dweight else dy.new_empty(0)
 
 
 def _kernel_forward(x, residual, weight, eps, weight_offset, weight_after_cast):

@@ -10,10 +10,10 @@ k may be None (one tensor rotated): k_out is then an empty tensor.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
+
+from fusionpass.ops import host
 
 
 def _rot(t: Tensor, form: str, rotary_dim: int) -> Tensor:
@@ -36,10 +36,6 @@ def reference(x: Tensor, cos: Tensor, sin: Tensor, form: str, rotary_dim: int, b
     return _empty(x).copy_(out)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _kernel(q, k, cos, sin, form, rotary_dim, backward):
     from fusionpass.kernels.rope import rope
 
@@ -48,7 +44,7 @@ def _kernel(q, k, cos, sin, form, rotary_dim, backward):
 
 
 def _host_impl(q, k, cos, sin, form, rotary_dim, backward):
-    if _interpreting():
+    if host.interpreting():
         return _kernel(q, k, cos, sin, form, rotary_dim, backward)
     q_out = reference(q, cos, sin, form, rotary_dim, backward)
     k_out = q.new_empty(0) if k is None else reference(k, cos, sin, form, rotary_dim, backward)

@@ -11,13 +11,12 @@ autograd formula then uses matmuls for dx, dW_gate, dW_up and sums for the biase
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from fusionpass.kernels.swiglu import ACTIVATIONS, DECODE_MAX_M
+from fusionpass.ops import host
 
 
 def _act(g: Tensor, activation: str) -> Tensor:
@@ -66,10 +65,6 @@ def _kernel_backward(dh, g, u, activation):
     return act_mul_bwd(dh, g, u, activation)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 # CPU tensors go through opaque custom ops (see ops/rms_norm.py): the interpreted kernel under
 # TRITON_INTERPRET=1, else the torch reference.
 
@@ -84,7 +79,7 @@ def _forward_host(
     activation: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check(activation)
-    impl = _kernel_forward if _interpreting() else _reference_forward
+    impl = _kernel_forward if host.interpreting() else _reference_forward
     h, g, u = impl(x, w_gate, b_gate, w_up, b_up, activation)
     return h.contiguous(), g.contiguous(), u.contiguous()
 
@@ -100,7 +95,7 @@ _forward_host.register_fake(_fake_forward)
 @torch.library.custom_op("fusionpass::swiglu_backward_host", mutates_args=())
 def _backward_host(dh: Tensor, g: Tensor, u: Tensor, activation: str) -> tuple[Tensor, Tensor]:
     _check(activation)
-    impl = _kernel_backward if _interpreting() else _reference_backward
+    impl = _kernel_backward if host.interpreting() else _reference_backward
     dg, du = impl(dh, g, u, activation)
     return dg.contiguous(), du.contiguous()
 
