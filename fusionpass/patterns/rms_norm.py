@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from fusionpass import registry
+from fusionpass.kernels.common import _fwd_chunk
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
 
@@ -269,14 +270,11 @@ def width_in_range(m: Match, cfg) -> str | None:
     if width > top:
         mode = "training" if training else "inference"
         return f"row width {width} > {top}: the kernel measured slower than Inductor there in {mode}"
-    if not training and width > _FWD_CHUNK and width % _FWD_CHUNK:
+    chunk = _fwd_chunk(width)  # the forward kernel's column chunk for such rows
+    if not training and chunk < width and width % chunk:
         return (f"row width {width}: in inference the forward's second chunk is partial, measured "
                 f"slower than Inductor (3072: 0.93x)")
     return None
-
-
-# The forward's column chunk for rows of 2049..4096 (fusionpass/kernels/common.py, _TILE).
-_FWD_CHUNK = 2048
 
 
 def rows_contiguous(m: Match, cfg) -> str | None:
