@@ -1,13 +1,14 @@
 """Whole-model benchmarks on the GPU: HF models built from configs (random weights), plain
 torch.compile against fusionpass, side by side (interleaved) in one process.
 
-    python benchmarks/models.py [--model llama|gpt2|bert] [--layers 8] [--batch 4] [--seq 2048]
+    python benchmarks/models.py [--model llama|gpt2|bert|bloom] [--layers 8] [--batch 4] [--seq 2048]
                                 [--mask] [--attn sdpa|eager] [--eager] [--steps train,inference]
                                 [--fusions ...]
                                 [--json out.json]
 
 llama: h2048, GQA 16/4, head_dim 128, intermediate 8192 (ANCHORS.md's config); gpt2: GPT-2 small
-with `loss_type="ForCausalLM"` (else its loss lands in a second graph); bert: BERT-base MLM.
+with `loss_type="ForCausalLM"` (else its loss lands in a second graph); bert: BERT-base MLM;
+bloom: BLOOM-style h1024 with 16 heads (ALiBi; transformers has only eager attention for it).
 `--mask` passes an all-ones attention_mask, as training loops do.
 
 Reports, for a training step (forward + loss + backward) and an inference forward: milliseconds,
@@ -66,6 +67,16 @@ def build_gpt2(attn: str = "sdpa"):
     return model
 
 
+def build_bloom(layers: int):
+    import transformers
+
+    # ANCHORS.md's BLOOM-style model: h1024, 16 heads (head dim 64), ALiBi, eager attention only
+    config = transformers.BloomConfig(hidden_size=1024, n_layer=layers, n_head=16)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.bfloat16)
+
+
 def build_bert(attn: str = "sdpa"):
     import transformers
 
@@ -114,6 +125,9 @@ def run(args) -> list[dict]:
     if args.model == "llama":
         base = build_llama(args.layers, args.vocab)
         name = f"llama {args.layers}L h2048"
+    elif args.model == "bloom":
+        base = build_bloom(args.layers)
+        name = f"bloom-style {args.layers}L h1024"
     else:
         base = build_gpt2(args.attn) if args.model == "gpt2" else build_bert(args.attn)
         name = {"gpt2": "gpt2-small", "bert": "bert-base MLM"}[args.model]
@@ -179,7 +193,7 @@ def run(args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="llama", choices=["llama", "gpt2", "bert"])
+    parser.add_argument("--model", default="llama", choices=["llama", "gpt2", "bert", "bloom"])
     parser.add_argument("--mask", action="store_true", help="pass an all-ones attention_mask")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="gpt2/bert attention")
     parser.add_argument("--eager", action="store_true", help="also time eager PyTorch")

@@ -35,7 +35,6 @@ from fusionpass import cli
 from fusionpass import config as config_mod
 from fusionpass.demo import DemoLlama, RMSNorm
 from fusionpass.passes import STATISTICS, PreGradFusionPass, chained
-from fusionpass.patterns.swiglu import OPT_IN
 
 WIDTH = 512
 BLOCK_COUNTS = counts(llama=1, llama_no_residual=1)
@@ -403,18 +402,18 @@ def test_explain_demo_llama():
     ids = torch.randint(0, 256, (2, 16))
     report = fusionpass.explain(demo, ids)
     assert isinstance(report, fusionpass.Report)
-    assert report.matches == {FUSION: 5, "attention": 2}
+    assert report.matches == {FUSION: 5, "attention": 2, "swiglu_mlp": 2}
     assert report.variants == {
         (FUSION, "llama"): 4,
         (FUSION, "llama_no_residual"): 1,
         ("attention", "causal_mask"): 2,
+        ("swiglu_mlp", "silu"): 2,  # inference with 32 rows: the decode regime
     }
-    # swiglu_mlp is opt-in until measured on a GPU: each MLP is reported, not fused; the demo's
-    # 2-d cos/sin ([S, D], broadcast) are outside the rope pattern's shapes (q and k each report)
+    # the demo's 2-d cos/sin ([S, D], broadcast) are outside the rope pattern's shapes (q and k
+    # each report)
     rope_shape = "shape: cos is not 4-d (broadcast as the rotation needs)"
     assert sorted(report.near_misses) == sorted(
         [("rope", f"layers.{i}.self_attn", rope_shape) for i in range(2) for _ in range(2)]
-        + [("swiglu_mlp", f"layers.{i}.mlp", f"opt_in: {OPT_IN}") for i in range(2)]
     )
     assert report.graphs == 1
     assert report.graph_breaks == 0
@@ -423,13 +422,14 @@ def test_explain_demo_llama():
     assert re.search(r"^fusion +matches +variants *$", text, re.MULTILINE), text
     assert re.search(r"^rms_norm_residual +5 +llama: 4, llama_no_residual: 1$", text, re.MULTILINE), text
     data = json.loads(report.to_json())
-    assert data["matches"] == {FUSION: 5, "attention": 2}
+    assert data["matches"] == {FUSION: 5, "attention": 2, "swiglu_mlp": 2}
     assert data["variants"] == {
         f"{FUSION}/llama": 4,
         f"{FUSION}/llama_no_residual": 1,
         "attention/causal_mask": 2,
+        "swiglu_mlp/silu": 2,
     }
-    assert sorted(m["fusion"] for m in data["near_misses"]) == ["rope"] * 4 + ["swiglu_mlp"] * 2
+    assert sorted(m["fusion"] for m in data["near_misses"]) == ["rope"] * 4
     assert data["graphs"] == 1
     assert set(data["enabled"]) == set(fusionpass.FUSION_NAMES)
 
@@ -480,11 +480,12 @@ def test_cli_list_text(capsys):
 def test_cli_explain_json(capsys):
     assert cli.main(["explain", "--json", "--device", "cpu"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["matches"] == {FUSION: 5, "attention": 2}
+    assert data["matches"] == {FUSION: 5, "attention": 2, "swiglu_mlp": 2}
     assert data["variants"] == {
         f"{FUSION}/llama": 4,
         f"{FUSION}/llama_no_residual": 1,
         "attention/causal_mask": 2,
+        "swiglu_mlp/silu": 2,
     }
     assert data["device"] == "cpu"
 

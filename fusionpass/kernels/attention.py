@@ -5,8 +5,10 @@ Math (per batch b, query head h, kv head hk = h // (Hq // Hkv); natural-log unit
 -----------------------------------------------------------------------------------------------
     pos_i    = i + shift,  shift = Lk - Lq for align="bottom_right", 0 for "top_left" (SDPA's
                is_causal); Lk is the key tensor's length, also with kv_lengths
-    s_ij     = scale * q_i . k_j + bias_ij,  scale = 1 / sqrt(D) unless given
+    s_ij     = scale * q_i . k_j + bias_ij + key_bias[b, h, j],  scale = 1 / sqrt(D) unless given
     bias_ij  = -slope_h * (pos_i - j)        (ALiBi; alibi_symmetric: -slope_h * |pos_i - j|)
+    key_bias: a per-key additive bias, as BLOOM, MPT and Falcon pass ALiBi (`slope_h * j` rounded
+               to the model dtype, the same for every query row), read as given, in fp32
     visible  = (j < Lk) & (not causal or j <= pos_i) & (no window or j > pos_i - window)
                & key_padding[b, j] & (j < kv_lengths[b])
     lse_i    = log sum_{visible j} exp(s_ij)                  (fp32, natural log)
@@ -90,13 +92,16 @@ _LN2 = tl.constexpr(0.6931471805599453)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NO_SPEC = ["Lq", "Lk", "window", *_RNG_ARGS]
 
-# Launch defaults for sm_90 by padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages). First
-# guesses, not yet measured. Forward and dQ: BLOCK_M query rows per program, BLOCK_N keys per step.
-# dK/dV: BLOCK_N keys per program (dk and dv accumulators: 2 * BLOCK_N * D fp32), BLOCK_M query
-# rows per step.
+# Launch defaults for sm_90 by padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward
+# and dQ: BLOCK_M query rows per program, BLOCK_N keys per step. dK/dV: BLOCK_N keys per program (dk
+# and dv accumulators: 2 * BLOCK_N * D fp32), BLOCK_M query rows per step. D=128 measured on the H200
+# (B4 H32 S4096 causal, bf16; benchmarks/results/2026-11-30-h200-attention-kernel.md): forward
+# (128, 64, 8, 3) 1.25 ms (ties (64, 64, 4, 3); 4 warps at BLOCK_M 128 is 1.6x slower); dK/dV
+# (64, 128, 8, 2) 3.1 vs 3.6 ms for (32, 128, 8, 2); dQ (128, 64, 8, 3) 1.4 vs 2.5 ms for
+# (128, 32, 8, 2). D=64 and D=256 are scaled from those, not measured.
 _FWD_CFG = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)}
-_DKDV_CFG = {64: (32, 128, 4, 3), 128: (32, 128, 8, 2), 256: (16, 64, 8, 2)}
-_DQ_CFG = {64: (128, 32, 4, 3), 128: (128, 32, 8, 2), 256: (64, 32, 8, 2)}
+_DKDV_CFG = {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (16, 64, 8, 2)}
+_DQ_CFG = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
 _PRE_BLOCK_M = 64
 
 
@@ -138,11 +143,14 @@ def _mm_operand(x, DT: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _scores(s, pos, col, kv_end, window, slope2, kp,
+def _scores(s, pos, col, kv_end, window, slope2, kp, kb,
             CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
-            HAS_KPM: tl.constexpr, MASKED: tl.constexpr):
-    """Base-2 scores s (scaled) with the ALiBi bias added and the invisible entries at -inf. pos
-    (query positions), col (key indices) and kp (key kept by key_padding) are broadcastable tiles."""
+            HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, MASKED: tl.constexpr):
+    """Base-2 scores s (scaled) with the ALiBi bias and the key bias added and the invisible entries
+    at -inf. pos (query positions), col (key indices), kp (key kept by key_padding) and kb (key bias,
+    base 2) are broadcastable tiles."""
+    if HAS_KB:
+        s = s + kb
     if ALIBI:
         d = (pos - col).to(tl.float32)
         if ALIBI_SYM:
@@ -237,6 +245,20 @@ def _valid_keys(KVLEN, b, Lk, HAS_KVLEN: tl.constexpr):
 
 
 @triton.jit
+def _key_bias(kb_base, skbn, cols, kv_end, HAS_KB: tl.constexpr, MASKED: tl.constexpr):
+    """key_bias[b, h, cols] in the kernels' base-2 units (fp32; 0 past kv_end), or None."""
+    if HAS_KB:
+        if MASKED:
+            kb = tl.load(kb_base + cols * skbn, mask=cols < kv_end, other=0.0)
+        else:
+            kb = tl.load(kb_base + cols * skbn)
+        kb = kb.to(tl.float32) * _LOG2E
+    else:
+        kb = None
+    return kb
+
+
+@triton.jit
 def _dropout_rows(bh, Lq, rows):
     """Philox row counter of query rows `rows` of (batch * head) bh: (bh * Lq + row) mod 2**32, int32."""
     return (bh.to(tl.int64) * Lq + rows).to(tl.int32)
@@ -246,15 +268,17 @@ def _dropout_rows(bh, Lq, rows):
 # Forward
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, skn, skd, svn, svd, skpn,
+def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
                start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2,
                drop_rows, k0, k1, o0, o1, thr,
                CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
-               HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-               DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+               HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
+               EVEN_D: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
+        # the bias first: issued before the K tile, its load is not waited for after the dot
+        kb = _key_bias(kb_base, skbn, cols, kv_end, HAS_KB, MASKED)
         k = _load_kv(k_base + cols[:, None] * skn + offs_d[None, :] * skd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if HAS_KPM:
@@ -262,7 +286,7 @@ def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, skn, skd, svn, svd, sk
         else:
             kp = None
         s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, kp[None, :] if HAS_KPM else None,
-                    CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, MASKED)
+                    kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, MASKED)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED or HAS_KPM:
             # rows with nothing visible yet: exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN
@@ -283,14 +307,15 @@ def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, skn, skd, svn, svd, sk
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _fwd_kernel(
-    Q, K, V, O, LSE, SLOPES, KPM, KVLEN, SEED,
+    Q, K, V, O, LSE, SLOPES, KPM, KB, KVLEN, SEED,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, skpb, skpn,
+    skbb, skbh, skbn,
     Hq, Lq, Lk, GROUP, num_m, qk_scale, window, drop_scale,
     seed_lo, seed_hi, off_lo, off_hi, thr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
-    ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KVLEN: tl.constexpr, DROPOUT: tl.constexpr,
-    SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+    ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_KVLEN: tl.constexpr,
+    DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
 ):
     DT: tl.constexpr = Q.dtype.element_ty
     EVEN_D: tl.constexpr = D == BLOCK_D
@@ -320,6 +345,7 @@ def _fwd_kernel(
     k_base = K + b64 * skb + hk.to(tl.int64) * skh
     v_base = V + b64 * svb + hk.to(tl.int64) * svh
     kp_base = KPM + b64 * skpb
+    kb_base = KB + b64 * skbb + h.to(tl.int64) * skbh
     slope2 = _alibi_slope2(SLOPES, h, ALIBI)
     kv_end = _valid_keys(KVLEN, b, Lk, HAS_KVLEN)
     drop_rows = _dropout_rows(bh, Lq, offs_m)
@@ -330,17 +356,20 @@ def _fwd_kernel(
     lo, full_lo, full_hi, hi = _key_ranges(m0, row_end, shift, kv_end, window, CAUSAL, WINDOWED, BLOCK_N)
     if WINDOWED:
         acc, l_i, m_i = _fwd_steps(
-            acc, l_i, m_i, q, k_base, v_base, kp_base, skn, skd, svn, svd, skpn, lo, full_lo, pos, offs_n,
+            acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, lo, full_lo, pos, offs_n,
             offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t,
-            CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+            CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, True, EVEN_D, DT, INTERP, PREC,
+            BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_base, v_base, kp_base, skn, skd, svn, svd, skpn, full_lo, full_hi, pos, offs_n,
+        acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, full_lo, full_hi, pos, offs_n,
         offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t,
-        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, False, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, False, EVEN_D, DT, INTERP, PREC,
+        BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_base, v_base, kp_base, skn, skd, svn, svd, skpn, full_hi, hi, pos, offs_n,
+        acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, full_hi, hi, pos, offs_n,
         offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t,
-        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, True, EVEN_D, DT, INTERP, PREC,
+        BLOCK_M, BLOCK_N)
 
     empty = l_i == 0.0  # (a row with a visible key has l >= 1: its maximum contributes exp2(0))
     l_safe = tl.where(empty, 1.0, l_i)
@@ -378,10 +407,10 @@ def _bwd_pre_kernel(O, DO, DELTA, sob, soh, som, sod, sdob, sdoh, sdom, sdod, Hq
 
 @triton.jit
 def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod,
-                start, end, n0, cols, kp, offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2,
+                start, end, n0, cols, kp, kb, offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2,
                 drop_scale, bh, k0, k1, o0, o1, thr,
                 CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
-                HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
+                HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
                 DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Transposed tiles: [BLOCK_N keys, BLOCK_M queries]; n0 is the key block's first column.
@@ -396,7 +425,8 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
         delta = tl.load(delta_base + rows, mask=r_ok, other=0.0)
         sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
         sT = _scores(sT, (rows + shift)[None, :], cols[:, None], kv_end, window, slope2,
-                     kp[:, None] if HAS_KPM else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, MASKED)
+                     kp[:, None] if HAS_KPM else None, kb[:, None] if HAS_KB else None,
+                     CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, MASKED)
         pT = tl.math.exp2(sT - lse2[None, :])
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
         if DROPOUT:
@@ -414,15 +444,15 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, KPM, KVLEN, SEED,
+    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, KPM, KB, KVLEN, SEED,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
+    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, skpb, skpn, skbb, skbh, skbn,
     Hq, Hkv, Lq, Lk, GROUP, num_n, sm_scale, window, drop_scale,
     seed_lo, seed_hi, off_lo, off_hi, thr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
-    ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KVLEN: tl.constexpr, DROPOUT: tl.constexpr,
-    SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+    ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_KVLEN: tl.constexpr,
+    DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
 ):
     DT: tl.constexpr = Q.dtype.element_ty
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -464,21 +494,22 @@ def _bwd_dkdv_kernel(
         lse_base = LSE + bh.to(tl.int64) * Lq
         delta_base = DELTA + bh.to(tl.int64) * Lq
         slope2 = _alibi_slope2(SLOPES, h, ALIBI)
+        kb = _key_bias(KB + b64 * skbb + h64 * skbh, skbn, cols, kv_end, HAS_KB, True)
         if CAUSAL:
             dk, dv = _dkdv_steps(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, lo, full_lo, n0, cols, kp,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, lo, full_lo, n0, cols, kp, kb,
                 offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
-                k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, True, DT, INTERP, PREC,
+                k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, True, DT, INTERP, PREC,
                 BLOCK_M, BLOCK_N)
         dk, dv = _dkdv_steps(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, full_lo, full_hi, n0, cols, kp,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, full_lo, full_hi, n0, cols, kp, kb,
             offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
-            k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, False, DT, INTERP, PREC,
+            k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, False, DT, INTERP, PREC,
             BLOCK_M, BLOCK_N)
         dk, dv = _dkdv_steps(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, full_hi, hi, n0, cols, kp,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, full_hi, hi, n0, cols, kp, kb,
             offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
-            k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, True, DT, INTERP, PREC,
+            k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, True, DT, INTERP, PREC,
             BLOCK_M, BLOCK_N)
     dk = dk * sm_scale
     GRAD_DT: tl.constexpr = DK.dtype.element_ty
@@ -489,15 +520,16 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, skn, skd, svn, svd, skpn,
+def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
               start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale,
               drop_rows, k0, k1, o0, o1, thr,
               CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
-              HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-              DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+              HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
+              EVEN_D: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
+        kb = _key_bias(kb_base, skbn, cols, kv_end, HAS_KB, MASKED)
         k = _load_kv(k_base + cols[:, None] * skn + offs_d[None, :] * skd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
         v = _load_kv(v_base + cols[:, None] * svn + offs_d[None, :] * svd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
@@ -506,7 +538,7 @@ def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, skn, skd, svn, sv
         else:
             kp = None
         s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, kp[None, :] if HAS_KPM else None,
-                    CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, MASKED)
+                    kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, MASKED)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if DROPOUT:
@@ -519,15 +551,15 @@ def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, skn, skd, svn, sv
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, SLOPES, KPM, KVLEN, SEED,
+    Q, K, V, DO, LSE, DELTA, DQ, SLOPES, KPM, KB, KVLEN, SEED,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-    sdqb, sdqh, sdqm, sdqd, skpb, skpn,
+    sdqb, sdqh, sdqm, sdqd, skpb, skpn, skbb, skbh, skbn,
     Hq, Lq, Lk, GROUP, num_m, sm_scale, window, drop_scale,
     seed_lo, seed_hi, off_lo, off_hi, thr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
-    ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KVLEN: tl.constexpr, DROPOUT: tl.constexpr,
-    SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+    ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_KVLEN: tl.constexpr,
+    DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
 ):
     DT: tl.constexpr = Q.dtype.element_ty
     EVEN_D: tl.constexpr = D == BLOCK_D
@@ -560,6 +592,7 @@ def _bwd_dq_kernel(
     k_base = K + b64 * skb + hk.to(tl.int64) * skh
     v_base = V + b64 * svb + hk.to(tl.int64) * svh
     kp_base = KPM + b64 * skpb
+    kb_base = KB + b64 * skbb + h64 * skbh
     slope2 = _alibi_slope2(SLOPES, h, ALIBI)
     kv_end = _valid_keys(KVLEN, b, Lk, HAS_KVLEN)
     drop_rows = _dropout_rows(bh, Lq, offs_m)
@@ -567,18 +600,21 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _key_ranges(m0, row_end, shift, kv_end, window, CAUSAL, WINDOWED, BLOCK_N)
     if WINDOWED:
-        dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, skn, skd, svn, svd, skpn, lo, full_lo,
+        dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
+                   lo, full_lo,
                        pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale, drop_rows,
-                       k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, True, EVEN_D,
-                       DT, INTERP, PREC, BLOCK_M, BLOCK_N)
-    dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, skn, skd, svn, svd, skpn, full_lo, full_hi,
+                       k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, True,
+                       EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+    dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
+                   full_lo, full_hi,
                    pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale, drop_rows,
-                   k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, False, EVEN_D,
-                   DT, INTERP, PREC, BLOCK_M, BLOCK_N)
-    dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, skn, skd, svn, svd, skpn, full_hi, hi,
+                   k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, False,
+                   EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+    dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
+                   full_hi, hi,
                    pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale, drop_rows,
-                   k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, DROPOUT, True, EVEN_D,
-                   DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+                   k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, True,
+                   EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
     dq = dq * sm_scale
     GRAD_DT: tl.constexpr = DQ.dtype.element_ty
     tl.store(DQ + b64 * sdqb + h64 * sdqh + offs_m[:, None] * sdqm + offs_d[None, :] * sdqd,
@@ -597,7 +633,7 @@ def _check_4d(t, name):
         raise ValueError(f"{name} must be a 4-D tensor [B, H, L, D]")
 
 
-def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, kv_lengths,
+def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias, kv_lengths,
              dropout_p, seed, offset, align) -> _Opts:
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_4d(t, name)
@@ -640,8 +676,13 @@ def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_
     if key_padding is not None:
         if key_padding.shape != (B, Lk) or key_padding.dtype != torch.bool or key_padding.device != dev:
             raise ValueError(f"key_padding must be a bool tensor of shape [{B}, {Lk}] on the inputs' device")
-        key_padding = key_padding.view(torch.uint8)
     o.kpm = key_padding
+    if key_bias is not None:
+        if (key_bias.dim() != 3 or any(a not in (1, b_) for a, b_ in zip(key_bias.shape, (B, Hq, Lk)))
+                or not key_bias.is_floating_point() or key_bias.device != dev):
+            raise ValueError(f"key_bias must be a float tensor broadcastable as [{B}, {Hq}, {Lk}] on the inputs' device")
+        key_bias = key_bias.expand(B, Hq, Lk)
+    o.kb = key_bias
     if kv_lengths is not None:
         if (kv_lengths.shape != (B,) or kv_lengths.dtype not in (torch.int32, torch.int64)
                 or kv_lengths.device != dev):
@@ -666,16 +707,19 @@ def _block(value, default, what):
 def _flags(o: _Opts):
     return {"D": o.D, "BLOCK_D": triton.next_power_of_2(o.D), "CAUSAL": o.causal,
             "WINDOWED": o.window is not None, "BOTTOM_RIGHT": o.bottom_right, "ALIBI": o.slopes is not None,
-            "ALIBI_SYM": o.alibi_sym, "HAS_KPM": o.kpm is not None, "HAS_KVLEN": o.kvlen is not None,
+            "ALIBI_SYM": o.alibi_sym, "HAS_KPM": o.kpm is not None, "HAS_KB": o.kb is not None,
+            "HAS_KVLEN": o.kvlen is not None,
             "DROPOUT": o.dropout, "SEED_PTR": o.rng[0] is not None, "INTERP": o.interp, "PREC": o.prec}
 
 
 def _aux(o: _Opts, dummy):
-    """(SLOPES, KPM, KVLEN, SEED) pointers (dummy where unused) and key_padding's strides."""
-    kpm = o.kpm if o.kpm is not None else dummy
-    return ((o.slopes if o.slopes is not None else dummy, kpm, o.kvlen if o.kvlen is not None else dummy,
-             o.rng[0] if o.rng[0] is not None else dummy),
-            (kpm.stride(0), kpm.stride(1)) if o.kpm is not None else (0, 0))
+    """(SLOPES, KPM, KB, KVLEN, SEED) pointers (dummy where unused) and the strides of key_padding
+    and key_bias (0 where broadcast or unused)."""
+    def ptr(t):
+        return t if t is not None else dummy
+    kp_strides = o.kpm.stride() if o.kpm is not None else (0, 0)
+    kb_strides = o.kb.stride() if o.kb is not None else (0, 0, 0)
+    return ((ptr(o.slopes), ptr(o.kpm), ptr(o.kb), ptr(o.kvlen), ptr(o.rng[0])), (*kp_strides, *kb_strides))
 
 
 def attention_fwd(
@@ -689,6 +733,7 @@ def attention_fwd(
     alibi_slopes: torch.Tensor | None = None,
     alibi_symmetric: bool = False,
     key_padding: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
     kv_lengths: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     seed: int | torch.Tensor | None = None,
@@ -706,7 +751,8 @@ def attention_fwd(
     any strides, one dtype of fp16/bf16/fp32, D in HEAD_DIMS. `window` (with causal only): key j is
     visible to query i iff pos_i - window < j <= pos_i. `alibi_slopes` [Hq] float: bias
     -slope * (pos_i - j) (|pos_i - j| with `alibi_symmetric`). `key_padding` [B, Lk] bool (True =
-    keep) and/or `kv_lengths` [B] int32 (keys >= length are masked). `dropout_p` > 0 needs `seed`
+    keep) and/or `kv_lengths` [B] int32 (keys >= length are masked). `key_bias`: float, broadcastable
+    as [B, Hq, Lk], any strides (no gradient is computed for it). `dropout_p` > 0 needs `seed`
     (int, or a one-element int64 tensor on the inputs' device) and takes `offset`. `align`:
     "top_left" (pos_i = i, SDPA's is_causal) or "bottom_right" (pos_i = i + Lk - Lq).
     out: [B, Hq, Lq, D] in q's dtype, contiguous, or written into `out` (any [B, Hq, Lq, D] view of
@@ -715,8 +761,8 @@ def attention_fwd(
     block_m/block_n/num_warps/num_stages override the launch defaults (_FWD_CFG); results do not
     depend on them beyond fp32 summation order.
     """
-    o = _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, kv_lengths,
-                 dropout_p, seed, offset, align)
+    o = _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias,
+                 kv_lengths, dropout_p, seed, offset, align)
     B, Hq, Lq, D = o.B, o.Hq, o.Lq, o.D
     if out is None:
         out = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device)
@@ -729,12 +775,12 @@ def attention_fwd(
     bm = _block(block_m, bm, "block_m")
     bn = _block(block_n, bn, "block_n")
     num_m = triton.cdiv(Lq, bm)
-    (slopes, kpm, kvlen, seed_t), (skpb, skpn) = _aux(o, q)
+    ptrs, aux_strides = _aux(o, q)
     _, lo, hi, olo, ohi, thr, drop_scale = o.rng
     with _device_guard(q.device):
         _launcher(_fwd_kernel, q)[(num_m * B * Hq,)](
-            q, k, v, out, lse, slopes, kpm, kvlen, seed_t,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), skpb, skpn,
+            q, k, v, out, lse, *ptrs,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *aux_strides,
             Hq, Lq, o.Lk, o.group, num_m, o.scale, o.window or 0, float(drop_scale),
             lo, hi, olo, ohi, thr,
             **_flags(o), BLOCK_M=bm, BLOCK_N=bn,
@@ -756,6 +802,7 @@ def attention_bwd(
     alibi_slopes: torch.Tensor | None = None,
     alibi_symmetric: bool = False,
     key_padding: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
     kv_lengths: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     seed: int | torch.Tensor | None = None,
@@ -776,8 +823,8 @@ def attention_bwd(
     keys per program, block_m query rows per step; defaults _DKDV_CFG); dq_*: the dQ kernel
     (dq_block_m query rows per program, dq_block_n keys per step; defaults _DQ_CFG).
     """
-    o = _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, kv_lengths,
-                 dropout_p, seed, offset, align)
+    o = _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias,
+                 kv_lengths, dropout_p, seed, offset, align)
     B, Hq, Hkv, Lq, Lk, D = o.B, o.Hq, o.Hkv, o.Lq, o.Lk, o.D
     for t, name in ((do, "do"), (out, "out")):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
@@ -792,7 +839,7 @@ def attention_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     pad_d = triton.next_power_of_2(D)
     flags = _flags(o)
-    (slopes, kpm, kvlen, seed_t), (skpb, skpn) = _aux(o, q)
+    ptrs, aux_strides = _aux(o, q)
     _, lo, hi, olo, ohi, thr, drop_scale = o.rng
     rng = (lo, hi, olo, ohi, thr)
     delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
@@ -807,8 +854,8 @@ def attention_bwd(
         bn = _block(block_n, bn, "block_n")
         num_n = triton.cdiv(Lk, bn)
         _launcher(_bwd_dkdv_kernel, q)[(num_n * B * Hkv,)](
-            q, k, v, do, lse, delta, dk, dv, slopes, kpm, kvlen, seed_t,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), skpb, skpn,
+            q, k, v, do, lse, delta, dk, dv, *ptrs,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *aux_strides,
             Hq, Hkv, Lq, Lk, o.group, num_n, o.scale, o.window or 0, float(drop_scale), *rng,
             **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps or warps, num_stages=num_stages or stages)
 
@@ -817,8 +864,8 @@ def attention_bwd(
         bn = _block(dq_block_n, bn, "dq_block_n")
         num_m = triton.cdiv(Lq, bm)
         _launcher(_bwd_dq_kernel, q)[(num_m * B * Hq,)](
-            q, k, v, do, lse, delta, dq, slopes, kpm, kvlen, seed_t,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), skpb, skpn,
+            q, k, v, do, lse, delta, dq, *ptrs,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *aux_strides,
             Hq, Lq, Lk, o.group, num_m, o.scale, o.window or 0, float(drop_scale), *rng,
             **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=dq_num_warps or warps,
             num_stages=dq_num_stages or stages)

@@ -1,11 +1,12 @@
 """fusionpass::flash_attention and fusionpass::flash_attention_backward: triton_ops (CUDA), host
 custom ops (CPU), autograd.
 
-    out, lse = flash_attention(q, k, v, key_padding, scale, causal, window, align_bottom_right,
-                               dropout_p, seed)
+    out, lse = flash_attention(q, k, v, key_padding, key_bias, scale, causal, window,
+                               align_bottom_right, dropout_p, seed)
 
 q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (GQA/MQA: Hq % Hkv == 0, read without repeat), key_padding
-[B, Lk] bool (True = keep) or None, window 0 = none (else key j is visible to query i iff
+[B, Lk] bool (True = keep) or None, key_bias [B, Hq, Lk] float added to every query row's
+scores (BLOOM's ALiBi tensor; no gradient) or None, window 0 = none (else key j is visible to query i iff
 pos_i - window < j <= pos_i, with causal), align_bottom_right: pos_i = i + Lk - Lq (else i),
 dropout_p > 0 needs `seed` (a one-element int64 tensor). The math, the RNG and the rows that see
 no key (out 0, lse EMPTY_LSE) are those of fusionpass/kernels/attention.py.
@@ -16,7 +17,7 @@ reference: math attention with an explicit boolean mask built from the same rule
 dropout keep bits drawn in torch (`philox_keep`, the bits `attention_dropout_mask` returns). The
 reference backward differentiates the reference forward.
 
-Not yet compiled or timed on a GPU: the patterns route here only with Config.attention_kernel.
+Measured on the H200: benchmarks/results/2026-11-30-h200-attention-kernel.md.
 """
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ from fusionpass.ops import host
 CPU_BLOCKS: dict[str, int] = {}
 
 
-def _options(key_padding, scale, causal, window, align_bottom_right, dropout_p, seed) -> dict:
+def _options(key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed) -> dict:
     return dict(
         causal=causal,
         scale=scale,
         window=window or None,
         key_padding=key_padding,
+        key_bias=key_bias,
         dropout_p=dropout_p,
         seed=seed if dropout_p > 0 else None,
         align="bottom_right" if align_bottom_right else "top_left",
@@ -56,19 +58,20 @@ def _check(q, k, v, dropout_p, seed, window, causal) -> None:
 # kernels
 
 
-def _kernel_forward(q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed, blocks=None):
+def _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed,
+                    blocks=None):
     from fusionpass.kernels.attention import attention_fwd
 
-    opts = _options(key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+    opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     blocks = {k_: v_ for k_, v_ in (blocks or {}).items() if k_ in ("block_m", "block_n")}
     return attention_fwd(q, k, v, **opts, **blocks)
 
 
-def _kernel_backward(do, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p,
-                     seed, blocks=None):
+def _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
+                     dropout_p, seed, blocks=None):
     from fusionpass.kernels.attention import attention_bwd
 
-    opts = _options(key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+    opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     return attention_bwd(do, q, k, v, out, lse, **opts, **(blocks or {}))
 
 
@@ -91,7 +94,7 @@ def visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, device) 
     return vis
 
 
-def _reference(q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed):
+def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed):
     from fusionpass.kernels.attention import EMPTY_LSE
     from fusionpass.ops.layer_norm import _dropout_constants, philox_keep
 
@@ -101,6 +104,8 @@ def _reference(q, k, v, key_padding, scale, causal, window, align_bottom_right, 
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
     s = (q.float() @ kf.transpose(-1, -2)) * (D**-0.5 if scale is None else scale)
+    if key_bias is not None:
+        s = s + key_bias.float().expand(B, Hq, Lk)[:, :, None, :]
     vis = visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, q.device)
     s = s.masked_fill(~vis, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
@@ -114,11 +119,12 @@ def _reference(q, k, v, key_padding, scale, causal, window, align_bottom_right, 
     return (p @ vf).to(q.dtype), lse
 
 
-def _reference_backward(do, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p,
-                        seed):
+def _reference_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
+                        dropout_p, seed):
     with torch.enable_grad():
         q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
-        o, _ = _reference(q_, k_, v_, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+        o, _ = _reference(q_, k_, v_, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p,
+                          seed)
         return torch.autograd.grad(o, (q_, k_, v_), do)
 
 
@@ -128,10 +134,11 @@ def _reference_backward(do, q, k, v, out, lse, key_padding, scale, causal, windo
 
 @torch.library.custom_op("fusionpass::flash_attention_forward_host", mutates_args=())
 def _forward_host(
-    q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None, scale: float, causal: bool, window: int,
+    q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None, key_bias: Tensor | None, scale: float,
+    causal: bool, window: int,
     align_bottom_right: bool, dropout_p: float, seed: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    args = (q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+    args = (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     if host.interpreting():
         out, lse = _kernel_forward(*args, blocks=CPU_BLOCKS)
     else:
@@ -140,16 +147,17 @@ def _forward_host(
 
 
 @_forward_host.register_fake
-def _(q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed):
+def _(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed):
     return host.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("fusionpass::flash_attention_backward_host", mutates_args=())
 def _backward_host(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None,
-    scale: float, causal: bool, window: int, align_bottom_right: bool, dropout_p: float, seed: Tensor | None,
+    key_bias: Tensor | None, scale: float, causal: bool, window: int, align_bottom_right: bool, dropout_p: float,
+    seed: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    args = (do, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+    args = (do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     if host.interpreting():
         dq, dk, dv = _kernel_backward(*args, blocks=CPU_BLOCKS)
     else:
@@ -158,7 +166,7 @@ def _backward_host(
 
 
 @_backward_host.register_fake
-def _(do, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed):
+def _(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed):
     return host.empty_like(q), host.empty_like(k), host.empty_like(v)
 
 
@@ -168,11 +176,12 @@ def _(do, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_ri
 
 @torch.library.triton_op("fusionpass::flash_attention", mutates_args=())
 def flash_attention(
-    q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None, scale: float, causal: bool, window: int,
+    q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None, key_bias: Tensor | None, scale: float,
+    causal: bool, window: int,
     align_bottom_right: bool, dropout_p: float, seed: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     _check(q, k, v, dropout_p, seed, window, causal)
-    args = (q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+    args = (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     if q.device.type != "cuda":
         return _forward_host(*args)
     return _kernel_forward(*args)
@@ -181,31 +190,32 @@ def flash_attention(
 @torch.library.triton_op("fusionpass::flash_attention_backward", mutates_args=())
 def flash_attention_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None,
-    scale: float, causal: bool, window: int, align_bottom_right: bool, dropout_p: float, seed: Tensor | None,
+    key_bias: Tensor | None, scale: float, causal: bool, window: int, align_bottom_right: bool, dropout_p: float,
+    seed: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    args = (do, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed)
+    args = (do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     if do.device.type != "cuda":
         return _backward_host(*args)
     return _kernel_backward(*args)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed = inputs
+    q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_padding, seed)
+    ctx.save_for_backward(q, k, v, out, lse, key_padding, key_bias, seed)
     ctx.flags = (scale, causal, window, align_bottom_right, dropout_p)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, _dlse):
     if dout is None:
-        return (None,) * 10
-    q, k, v, out, lse, key_padding, seed = ctx.saved_tensors
+        return (None,) * 11
+    q, k, v, out, lse, key_padding, key_bias, seed = ctx.saved_tensors
     scale, causal, window, align_bottom_right, dropout_p = ctx.flags
     dq, dk, dv = torch.ops.fusionpass.flash_attention_backward(
-        dout, q, k, v, out, lse, key_padding, scale, causal, window, align_bottom_right, dropout_p, seed
+        dout, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed
     )
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup)

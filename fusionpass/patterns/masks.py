@@ -315,13 +315,18 @@ class MaskAnalysis:
         if t in _ANDS:
             a, b = (_as_mask(self.value(x)) for x in node.args[:2])
             return a.and_(b)
-        if t in ("new_ones", torch.ones) and g.dtype(node) == torch.bool:
-            return TRUE
+        if t in ("new_ones", torch.ones):
+            # ones of another dtype: the attention_mask BLOOM makes when none is passed
+            return TRUE if g.dtype(node) == torch.bool else Constant(1)
         if t in ("to", "expand", "contiguous"):
             src = self.value(node.args[0])
             if t == "to" and g.dtype(node) != g.dtype(node.args[0]):
                 if not (isinstance(src, (Conjunction, Constant)) and g.dtype(node) == torch.bool):
                     raise Unprovable("mask cast to another dtype")
+                if isinstance(src, Constant):
+                    if not src.value:
+                        raise Unprovable("constant False mask")
+                    return Constant(True)
             return src
         name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
         raise Unprovable(f"mask built with `{name}`")

@@ -424,7 +424,10 @@ def order_allows(m: Match, cfg) -> str | None:
     return None
 
 
-OPT_IN = "opt-in until measured on a GPU (rope_kernel=True / FUSIONPASS_ROPE_KERNEL=1)"
+OPT_IN = (
+    "opt-in (rope_kernel=True / FUSIONPASS_ROPE_KERNEL=1): measured slower than plain torch.compile "
+    "(0.093 vs 0.083 ms for q (4,32,4096,128) + k (4,8,4096,128) on the H200)"
+)
 
 
 def opted_in(m: Match, cfg) -> str | None:
@@ -457,7 +460,7 @@ ROPE = registry.register(
             "sharing cos/sin are rotated by one call"
         ),
         selected_when=(
-            "opt-in (rope_kernel=True / FUSIONPASS_ROPE_KERNEL=1, not yet measured on a GPU); "
+            "opt-in (rope_kernel=True / FUSIONPASS_ROPE_KERNEL=1; measured 0.93x of plain torch.compile); "
             "4-d q/k of one float dtype, cos/sin in that dtype or float32 broadcasting over them, "
             "even rotary dim, cos/sin without grad"
         ),

@@ -7,8 +7,13 @@ and act is F.silu or F.gelu(approximate="tanh") (Gemma's `gelu_pytorch_tanh`), a
 them. h is replaced by fusionpass::swiglu(x, W_gate, b_gate, W_up, b_up, act)[0]; Phi-3's fused
 weight is passed as two row slices (views). The down projection stays a library GEMM reading h.
 
-Opt-in (Config.swiglu_mlp_kernel / FUSIONPASS_SWIGLU_MLP_KERNEL=1) until the kernels are measured
-on a GPU: a fusion is only selected where measured faster.
+Cost rule (H200, bf16, K4096 N14336 through torch.compile, benchmarks/results/
+2026-11-30-h200-swiglu_mlp.md): selected for inference with at most DECODE_MAX_M (64) rows, known
+statically: the decode kernel reads both weights once at 3.9 TB/s, and the MLP step is 1.26-1.31x
+plain torch.compile wall time (1.04-1.06x under CUDA graphs). Not selected for more rows or for
+training: at M=8192 the library GEMMs plus the fused act*mul measured 0.99x inference and 1.00x
+training wall time with more peak memory (0.66 vs 0.44 GiB; 1.27 vs 1.05 GiB). Config
+.swiglu_mlp_kernel (FUSIONPASS_SWIGLU_MLP_KERNEL=1) selects it everywhere it matches.
 """
 from __future__ import annotations
 
@@ -27,8 +32,9 @@ _SILU = (F.silu,)
 _GELU = (F.gelu, torch._C._nn.gelu)
 SUPPORTED = ("silu", "gelu_tanh")
 
-OPT_IN = (
-    "opt-in until measured on a GPU (swiglu_mlp_kernel=True / FUSIONPASS_SWIGLU_MLP_KERNEL=1)"
+LOSES = (
+    "measured no faster than plain torch.compile outside decode (M=8192: 0.99x inference, 1.00x "
+    "training, more memory); swiglu_mlp_kernel=True / FUSIONPASS_SWIGLU_MLP_KERNEL=1 selects it anyway"
 )
 
 
@@ -169,8 +175,20 @@ def device_supported(m: Match, cfg) -> str | None:
     return g.unsupported_device(g.tensor(m.bindings["x"]), cfg)
 
 
-def opted_in(m: Match, cfg) -> str | None:
-    return None if cfg.swiglu_mlp_kernel else OPT_IN
+def decode_rows(m: Match, cfg) -> str | None:
+    """Inference with at most DECODE_MAX_M rows, known statically (where it measured faster)."""
+    from fusionpass.kernels.swiglu import DECODE_MAX_M
+
+    if cfg.swiglu_mlp_kernel:
+        return None
+    x = g.tensor(m.bindings["x"])
+    k = g.static_int(x.shape[-1])
+    rows = g.static_int(x.numel()) // k if k and g.static_int(x.numel()) is not None else None
+    if g.tensor(m.bindings["h"]).requires_grad:
+        return f"training: {LOSES}"
+    if rows is None or rows > DECODE_MAX_M:
+        return f"{'symbolic' if rows is None else rows} rows > {DECODE_MAX_M}: {LOSES}"
+    return None
 
 
 def activation_supported(m: Match, cfg) -> str | None:
@@ -272,14 +290,15 @@ SWIGLU_MLP = registry.register(
             "stays a library GEMM"
         ),
         selected_when=(
-            "opt-in (swiglu_mlp_kernel=True / FUSIONPASS_SWIGLU_MLP_KERNEL=1) until measured on a "
-            "GPU; CUDA tensors, one float dtype for x, weights and biases, SiLU or GELU-tanh"
+            "inference with at most 64 rows known statically (decode; measured 1.26-1.31x), CUDA "
+            "tensors, one float dtype for x, weights and biases, SiLU or GELU-tanh; everywhere it "
+            "matches with swiglu_mlp_kernel=True"
         ),
         anchor=anchor,
         variants=VARIANTS,
         guards=(
             Guard("device", device_supported),
-            Guard("opt_in", opted_in),
+            Guard("cost", decode_rows),
             Guard("activation", activation_supported),
             Guard("dtype", dtypes_agree),
             Guard("shape", shapes_supported),

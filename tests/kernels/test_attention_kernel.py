@@ -44,7 +44,7 @@ def rnd(shape, dtype, token_major=False):
 
 
 def reference(q, k, v, do, *, causal=False, scale=None, window=None, alibi_slopes=None, alibi_symmetric=False,
-              key_padding=None, kv_lengths=None, dropout_p=0.0, mask=None, align="top_left"):
+              key_padding=None, key_bias=None, kv_lengths=None, dropout_p=0.0, mask=None, align="top_left"):
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -60,6 +60,8 @@ def reference(q, k, v, do, *, causal=False, scale=None, window=None, alibi_slope
         if alibi_symmetric:
             dist = dist.abs()
         s = s - alibi_slopes.double()[None, :, None, None] * dist
+    if key_bias is not None:
+        s = s + key_bias.double()[:, :, None, :]
     vis = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
     if causal:
         vis = vis & (j <= pos)
@@ -175,6 +177,12 @@ CASES = {
     "alibi-sym-full-f32": (2, 4, 2, 33, 17, 64, F32, {"alibi": True, "alibi_symmetric": True}, SMALL),
     "alibi-window-br-bf16": (2, 4, 1, 17, 33, 64, BF16,
                              {"causal": True, "alibi": True, "window": 9, "align": "bottom_right"}, SMALL),
+    # a per-key bias (BLOOM/MPT/Falcon's ALiBi tensor): per batch and head, broadcast over one, in
+    # the model dtype and in fp32, with padding and dropout
+    "keybias-causal-bf16": (2, 4, 2, 33, 33, 64, BF16, {"causal": True, "key_bias": (2, 4, BF16)}, SMALL),
+    "keybias-bcastB-f32-pad": (3, 4, 2, 17, 33, 128, F32, {"key_bias": (1, 4, F32), "pad": "mask"}, BN32),
+    "keybias-bcastH-f16-drop": (2, 4, 1, 33, 33, 64, F16, {"causal": True, "key_bias": (2, 1, F32), "dropout_p": 0.1},
+                                SMALL),
     # key padding (rows of different lengths, one fully padded) and kv_lengths
     "pad-full-f32": (3, 4, 2, 17, 33, 64, F32, {"pad": "mask"}, SMALL),
     "pad-causal-f16-mqa": (3, 4, 1, 33, 33, 64, F16, {"causal": True, "pad": "mask"}, SMALL),
@@ -199,6 +207,11 @@ def _options(B, Hq, Lk, opts):
     opts = dict(opts)
     if opts.pop("alibi", False):
         opts["alibi_slopes"] = alibi_slopes(Hq)
+    if "key_bias" in opts:
+        b, h, kb_dtype = opts.pop("key_bias")
+        # BLOOM's values (slope * key position, large next to the scores) plus noise, as a view
+        kb = alibi_slopes(h)[None, :, None] * torch.arange(Lk)[None, None, :] + torch.randn(b, h, Lk)
+        opts["key_bias"] = torch.cat((kb, kb), -1)[..., :Lk].to(kb_dtype)
     pad = opts.pop("pad", None)
     if pad in ("mask", "both"):
         # a random mask (not a prefix), a row of full length and a fully padded row
@@ -390,6 +403,8 @@ def test_bad_arguments():
     _bad("key_padding", key_padding=torch.ones(1, 5, dtype=torch.int32))
     _bad("key_padding", key_padding=torch.ones(1, 4, dtype=torch.bool))
     _bad("kv_lengths", kv_lengths=torch.ones(2, dtype=torch.int32))
+    _bad("key_bias", key_bias=torch.ones(1, 4, 6))
+    _bad("key_bias", key_bias=torch.ones(1, 4, 5, dtype=torch.int32))
     _bad("seed", dropout_p=0.1)
     _bad("probability", dropout_p=1.0, seed=1)
     _bad("power of two", block_m=24)

@@ -49,8 +49,8 @@ def _run_time_check_on(monkeypatch):
 
 
 OPT_IN = (
-    "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1) "
-    "until measured on a GPU"
+    "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1): "
+    "against SDPA it measured 1.10x on Llama but 0.93x on BERT"
 )
 SLIDING = "sliding-window mask: " + OPT_IN
 SLIDING_PADDED = "sliding-window mask with key padding from a run-time tensor: " + OPT_IN

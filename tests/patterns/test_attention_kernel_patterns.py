@@ -91,8 +91,8 @@ def test_window_size_from_the_mask():
     """The op gets the window the mask encodes (3) and top-left alignment; the mask is gone."""
     gm, _, record = fused_graph(Attention("sliding_window").eval(), *inputs(), fusions=[FUSION])
     (call,) = [n for n in gm.graph.nodes if n.target is FLASH]
-    q, k, v, kp, scale, causal, window, bottom_right, p, seed = call.args
-    assert (kp, causal, window, bottom_right, p, seed) == (None, True, 3, False, 0.0, None)
+    q, k, v, kp, key_bias, scale, causal, window, bottom_right, p, seed = call.args
+    assert (kp, key_bias, causal, window, bottom_right, p, seed) == (None, None, True, 3, False, 0.0, None)
     assert scale == pytest.approx(D**-0.5)
     assert not [n for n in gm.graph.nodes if n.target == "expand"]  # the mask is gone
 

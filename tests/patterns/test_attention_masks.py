@@ -441,8 +441,8 @@ def test_two_layers_compiled_training():
 
 
 OPT_IN = (
-    "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1) "
-    "until measured on a GPU"
+    "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1): "
+    "against SDPA it measured 1.10x on Llama but 0.93x on BERT"
 )
 WINDOW = "sliding-window mask: " + OPT_IN
 

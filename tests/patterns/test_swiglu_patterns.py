@@ -97,15 +97,25 @@ def test_bf16_agrees_with_plain_compile():
     assert_outcomes_close(got, expected, BF16)
 
 
-def test_off_by_default(monkeypatch):
+@pytest.mark.parametrize("rows,train,why", [
+    (6, False, None),  # decode-sized inference: selected by default
+    (6, True, "cost: training: measured no faster"),
+    (65, False, "cost: 65 rows > 64: measured no faster"),
+])
+def test_default_cost_rule(monkeypatch, rows, train, why):
     monkeypatch.delenv("FUSIONPASS_SWIGLU_MLP_KERNEL")
-    mlp = GatedMLP()
-    x = torch.randn(2, 3, K)
-    got, stats = compile_and_count(mlp, x, fusions=[FUSION])
-    assert stats == {}
-    [(fusion, _, why)] = near_misses()
-    assert fusion == FUSION and "opt-in until measured on a GPU" in why
-    assert_outcomes_close(got, eager(mlp, x))
+    mlp = GatedMLP().train(train)
+    x = torch.randn(rows, K)
+    with torch.set_grad_enabled(train):
+        got, stats = compile_and_count(mlp, x, fusions=[FUSION], train=train)
+        want = eager(mlp, x, train=train)
+    if why is None:
+        assert stats == {(FUSION, "silu"): 1} and near_misses() == []
+    else:
+        assert stats == {}
+        [(fusion, _, reason)] = near_misses()
+        assert fusion == FUSION and reason.startswith(why), reason
+    assert_outcomes_close(got, want)
 
 
 def test_mixed_dtypes_near_miss():

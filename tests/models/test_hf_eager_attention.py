@@ -1,0 +1,132 @@
+"""attention, eager-math route: attention written in torch ops (BLOOM's baddbmm of the ALiBi tensor,
+GPT-2's matmuls with transformers' additive causal mask) becomes fusionpass::flash_attention, on by
+default. Tiny HF models (head dim 64, the kernel's smallest) under the Triton interpreter, training
+and inference: exact counts, outputs and gradients equal to plain torch.compile (dropout off); with
+attention dropout on, the loss over several seeds agrees in expectation; padded batches and returned
+probabilities are near misses with their reasons."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_outcomes_close, compile_and_count, compiling, fused_graph, near_misses, run
+
+import fusionpass
+from fusionpass.ops import flash_attention as fa_ops
+
+transformers = pytest.importorskip("transformers")
+
+FUSION = "attention"
+B, S, HEADS, HEAD_DIM = 2, 8, 2, 64
+FLASH = torch.ops.fusionpass.flash_attention.default
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    monkeypatch.setattr(fa_ops, "CPU_BLOCKS", {"block_m": 16, "block_n": 16, "dq_block_m": 16, "dq_block_n": 16})
+
+
+def bloom(layers=2, dropout=0.0):
+    config = transformers.BloomConfig(vocab_size=96, hidden_size=HEADS * HEAD_DIM, n_layer=layers, n_head=HEADS,
+                                      attention_dropout=dropout, hidden_dropout=0.0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.BloomForCausalLM(config)
+
+
+def gpt2(layers=2, dropout=0.0):
+    config = transformers.GPT2Config(vocab_size=96, n_embd=HEADS * HEAD_DIM, n_layer=layers, n_head=HEADS,
+                                     n_positions=32, attn_pdrop=dropout, resid_pdrop=0.0, embd_pdrop=0.0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # else the loss lands in a second graph
+    return model
+
+
+def ids():
+    torch.manual_seed(1)
+    return torch.randint(1, 96, (B, S))
+
+
+def check(model, variant, train, kwargs=None, rtol=2e-4):
+    x = ids()
+    kwargs = {"use_cache": False, **(kwargs or {})}
+    if train:
+        kwargs["labels"] = x
+    model.train(train)
+    got, stats = compile_and_count(model, x, fusions=[FUSION], train=train, kwargs=kwargs)
+    assert near_misses() == []
+    assert stats == {(FUSION, variant): 2}
+    with compiling():
+        want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), train, kwargs=kwargs)
+        assert fusionpass.stats() == {}
+    assert_outcomes_close(got, want, rtol=rtol)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_bloom_alibi(train):
+    check(bloom(), "eager_alibi_kernel", train)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_gpt2_eager(train):
+    check(gpt2(), "eager_kernel", train)
+
+
+def test_bloom_graph_has_no_scores():
+    # the S x S scores, the softmax and the dropout of the probabilities are gone from the graph
+    model = bloom(layers=1).train()
+    gm, _, record = fused_graph(model, ids(), fusions=[FUSION])
+    assert record.matches == {(FUSION, "eager_alibi_kernel"): 1}
+    targets = [n.target for n in gm.graph.nodes]
+    assert FLASH in targets
+    assert not [t for t in targets if t in (torch.baddbmm, "baddbmm", torch.bmm, torch.nn.functional.softmax)]
+
+
+def test_padded_batch_is_a_near_miss():
+    model = bloom().eval()
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, :3] = 0  # left padding: query rows 0..2 of row 1 see no key
+    _, stats = compile_and_count(model, ids(), fusions=[FUSION], kwargs={"attention_mask": mask, "use_cache": False})
+    assert stats == {}
+    reasons = [r for _, _, r in near_misses()]
+    assert len(reasons) == 2 and all("run-time key padding" in r for r in reasons)
+
+
+class ReturnsProbabilities(torch.nn.Module):
+    def forward(self, q, k, v):
+        p = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * 0.125, dim=-1)
+        return torch.matmul(p, v), p
+
+
+def test_returned_probabilities_are_a_near_miss():
+    q, k, v = (torch.randn(B, HEADS, S, HEAD_DIM) for _ in range(3))
+    _, _, record = fused_graph(ReturnsProbabilities(), q, k, v, fusions=[FUSION])
+    assert record.matches == {}
+    ((_, _, reason),) = record.near_misses
+    assert "also read outside the attention" in reason
+
+
+def test_bloom_dropout_statistics():
+    # Attention dropout 0.5 inside the kernel (Philox, regenerated in the backward): the mean loss
+    # over seeds agrees with plain torch.compile's, and the gradients are finite and not zero.
+    model = bloom(layers=1, dropout=0.5).train()
+    x = ids()
+    losses = {"fused": [], "plain": []}
+    with compiling():
+        fused = torch.compile(model, backend=fusionpass.backend(fusions=[FUSION], cpu=True), fullgraph=True)
+        plain = torch.compile(model, backend="inductor", fullgraph=True)
+        for name, fn in (("fused", fused), ("plain", plain)):
+            for seed in range(8):
+                torch.manual_seed(seed)
+                loss = fn(input_ids=x, labels=x, use_cache=False).loss
+                losses[name].append(loss.item())
+                if name == "fused" and seed == 0:
+                    loss.backward()
+                    grads = [p.grad for p in model.parameters() if p.grad is not None]
+                    assert grads and all(torch.isfinite(g).all() for g in grads)
+                    model.zero_grad()
+    fused_mean = sum(losses["fused"]) / 8
+    plain_mean = sum(losses["plain"]) / 8
+    assert len(set(losses["fused"])) == 8, "every call draws a new mask"
+    assert abs(fused_mean - plain_mean) < 0.05 * abs(plain_mean)
