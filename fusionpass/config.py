@@ -15,8 +15,9 @@ FUSION_NAMES = (
     "rms_norm_residual",
     "layer_norm_dropout_residual",
     "rope",
-    "attention",
+    # before attention: a decode SDPA call is this fusion's, not a mask attention cannot prove
     "decode_attention",
+    "attention",
     "attention_out_proj",
     "swiglu_mlp",
     "linear_cross_entropy",

@@ -2,6 +2,7 @@
 from fusionpass.ops import (  # noqa: F401
     attention,
     cross_entropy,
+    decode_attention,
     flash_attention,
     layer_norm,
     rms_norm,
