@@ -118,8 +118,10 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_args(p, batch, seq):
+        from fusionpass.demo import HF_FAMILIES
+
         p.add_argument("--model", default="demo", help="demo (built in) or an HF family: "
-                       "llama, mistral, qwen2, qwen3, gemma, gemma2, phi3")
+                       + ", ".join(HF_FAMILIES))
         p.add_argument("--layers", type=int, default=2)
         p.add_argument("--width", type=int, default=2048, help="hidden size")
         p.add_argument("--train", action="store_true", help="trace a training step")

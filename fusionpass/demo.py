@@ -130,6 +130,9 @@ HF_FAMILIES = {
     "gemma": ("GemmaConfig", {}),
     "gemma2": ("Gemma2Config", {}),
     "phi3": ("Phi3Config", {}),
+    # LayerNorm families; BLOOM has only eager attention (ALiBi), routed to fusionpass's kernel
+    "gpt2": ("GPT2Config", {"bos_token_id": 0, "eos_token_id": 0}),
+    "bloom": ("BloomConfig", {"attn": "eager"}),
 }
 
 
@@ -142,6 +145,8 @@ def tiny_hf(name: str, layers: int = 2, attn: str = "sdpa", width: int = 512, **
     if name not in HF_FAMILIES:
         raise ValueError(f"unknown model family {name!r}; known: {', '.join(HF_FAMILIES)}")
     config_name, family = HF_FAMILIES[name]
+    family = dict(family)
+    attn = family.pop("attn", attn)
     kwargs = dict(
         vocab_size=256,
         hidden_size=width,

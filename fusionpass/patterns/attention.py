@@ -557,6 +557,9 @@ ATTENTION = registry.register(
     Fusion(
         name="attention",
         matches=(
+            "eager-math attention (BLOOM's baddbmm of the ALiBi tensor, MPT's added ALiBi slice and "
+            "masked_fill, GPT-2's matmul / scale / "
+            "additive causal mask / softmax / dropout / matmul) -> fusionpass::flash_attention; "
             "F.scaled_dot_product_attention with a boolean mask built from index arithmetic "
             "(transformers' sdpa_mask): proven causal -> is_causal=True, proven all-true -> no mask; "
             "the same AND key padding -> that fast call when attention_mask is all true (one "

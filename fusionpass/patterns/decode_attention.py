@@ -287,7 +287,9 @@ DECODE_ATTENTION = registry.register(
         name="decode_attention",
         matches=(
             "SDPA of at most 16 query tokens over a static KV cache with transformers' decode mask "
-            "(kv_idx <= arange(Lq) + cache length), repeat_kv copies or enable_gqa"
+            "(kv_idx <= arange(Lq) + cache length, and generate()'s key-padding lookup), or one "
+            "query token with any [B, 1, 1, L] boolean mask (variant one_query_any_mask); repeat_kv "
+            "copies or enable_gqa"
         ),
         selected_when=(
             "inference graphs with a static query length <= 16, head dim 64/128/256, one float "

@@ -2,18 +2,21 @@
 attention fusion routes to fusionpass::flash_attention.
 
 The forms, as real models write them (pre-grad graph, Dynamo's torch IR):
-  BLOOM (and MPT/Falcon-style ALiBi as a per-key tensor):
+  BLOOM:
       scores = alibi.baddbmm(q.reshape(B*H, Lq, D), k.reshape(B*H, Lk, D).transpose(-1, -2),
                              beta=1.0, alpha=scale)                    alibi [B*H, 1, Lk]
       w = scores.view(B, H, Lq, Lk) + mask;  p = softmax(w, -1, dtype=float32).to(dtype)
       out = bmm(dropout(p).view(B*H, Lq, Lk), v.reshape(B*H, Lk, D))
+  MPT: w = matmul(q, k.transpose(-1, -2)) * scale + alibi[:, :, -Lk:]   alibi [H, 1, L]
+      w = w.masked_fill(mask.to(bool), min);  p = softmax(w.float(), -1).to(dtype)   (mask additive)
   GPT-2 / GPT-J / OPT / older HF code:
       w = matmul(q, k.transpose(-1, -2)) * scale (or / c);  w = w + mask;  p = softmax(w, -1)
       out = matmul(dropout(p.type(v.dtype)), v)                        (k, v maybe repeat_kv copies)
 The mask is transformers' additive one, `torch.where(bool_mask, 0.0, very negative)`; its boolean
 mask is classified by fusionpass.patterns.masks like SDPA's. ALiBi given as a [B*H, 1, Lk] tensor
 is a per-key bias (the same for every query row): the kernel adds it as given (key_bias), so no
-proof about how it was built is needed.
+proof about how it was built is needed; so is MPT's [H, 1, Lk] slice of its ALiBi tensor. (Falcon
+with ALiBi folds the bias into a masked_fill-built mask: not matched.)
 
 Not matched (left to Inductor), each with its reason: a chain node read by anything else (the
 probabilities returned with output_attentions, a score hook), a bias that needs a gradient or is
@@ -164,6 +167,30 @@ def _additive_mask(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     return cond, [*nodes, node, *extra]
 
 
+def _masked_fill(node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """(scores, visible, nodes) for `scores.masked_fill(masked, fill)` with a very negative fill,
+    where `masked` is transformers' additive mask cast to bool (MPT: True where the additive mask
+    is its fill, i.e. where the boolean mask under it is False)."""
+    if not _is_call(node, ("masked_fill", torch.masked_fill)) or len(node.args) != 3 or node.kwargs:
+        return None
+    scores, masked, fill = node.args
+    if not isinstance(fill, (int, float)) or isinstance(fill, bool) or fill > _MASK_FILL_MAX:
+        return None
+    if not (_is_call(masked, ("to",)) and g.dtype(masked) == torch.bool and len(masked.args) == 2):
+        return None
+    found = _additive_mask(masked.args[0])
+    if found is None:
+        return None
+    visible, nodes = found
+    return scores, visible, [masked, *nodes]
+
+
+def _per_key(node: fx.Node) -> bool:
+    """A bias of shape [..., H, 1, Lk] (the same for every query row): MPT's sliced ALiBi tensor."""
+    t = g.tensor(node)
+    return t is not None and t.dim() in (3, 4) and t.shape[-2] == 1
+
+
 def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
     """Read the eager attention ending at `anchor` (probs @ v). Returns (Eager, SDPA-like args), None
     when it is not one, NearMiss when it is one this route cannot take."""
@@ -210,18 +237,37 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
     e.nodes.append(node)
     user, node = node, g.first_arg(node)
 
-    # scores + additive mask
-    if g.op(node) == "add":
+    # casts of the scores (MPT's `.float()`), then the mask (added, or a masked_fill) and a per-key
+    # bias added to the scaled scores (MPT's ALiBi), in either order
+    while g.cast_source(node) is not None:
+        _single_use(node, user)
+        e.nodes.append(node)
+        user, node = node, g.cast_source(node)
+    for _ in range(2):
+        found = _masked_fill(node) if e.mask is None else None
+        if found is not None:
+            _single_use(node, user)
+            e.nodes.append(node)
+            e.mask, e.mask_nodes = found[1], found[2]
+            user, node = node, found[0]
+            continue
+        if g.op(node) != "add":
+            break
         for a, b in g.commuted(node):
-            found = _additive_mask(b) if isinstance(b, fx.Node) else None
-            if found is not None and isinstance(a, fx.Node):
-                _single_use(node, user)
-                e.nodes.append(node)
+            if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+                continue
+            found = _additive_mask(b) if e.mask is None else None
+            if found is not None:
                 e.mask, e.mask_nodes = found
-                user, node = node, a
+                break
+            if e.key_bias is None and _per_key(b):
+                e.key_bias = b
                 break
         else:
-            raise NearMiss("scores plus a tensor that is not transformers' additive mask (a bias)")
+            raise NearMiss("scores plus a tensor that is neither transformers' additive mask nor a per-key bias")
+        _single_use(node, user)
+        e.nodes.append(node)
+        user, node = node, a
 
     # the scores: view(baddbmm(key_bias, q3, k3^T)), matmul(q, k^T) [* or / constant]
     if _is_call(node, _VIEWS) and _is_call(g.first_arg(node), (torch.baddbmm, "baddbmm")):
@@ -240,6 +286,8 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
         k = _heads_4d(kt) if kt is not None else None
         if q is None or k is None:
             return None
+        if e.key_bias is not None:
+            raise NearMiss("two biases added to the scores")
         _single_use(node, user)
         e.nodes += [node, args["batch2"], kt, args["batch1"]]
         e.scale = float(alpha)
@@ -266,24 +314,44 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
     return e, args
 
 
+def _folded(e: Eager, q: fx.Node) -> bool:
+    """The bias is BLOOM's [B*H, 1, Lk] (added by baddbmm to the head-folded scores)."""
+    qs = g.tensor(q).shape
+    return len(e.nodes) > 0 and any(_is_call(n, (torch.baddbmm, "baddbmm")) for n in e.nodes) and _same(
+        tuple(g.tensor(e.key_bias).shape)[:1], (qs[0] * qs[1],))
+
+
 def check_key_bias(e: Eager, q: fx.Node, k: fx.Node) -> str | None:
-    """The bias is [B*H, 1, Lk] (per key, the same for every query row) and needs no gradient."""
+    """The bias is per key, the same for every query row: BLOOM's [B*H, 1, Lk] or a broadcast
+    [H, 1, Lk] / [1 or B, H, 1, Lk] (MPT); float, and needs no gradient."""
     t = g.tensor(e.key_bias)
     qs, ks = g.tensor(q).shape, g.tensor(k).shape
     if t is None or not t.is_floating_point():
         return "the scores' bias is not a float tensor"
     if t.requires_grad:
         return "the scores' bias requires grad (the kernel computes no gradient for it)"
-    if not _same(tuple(t.shape), (qs[0] * qs[1], 1, ks[2])):
-        return f"bias of shape {tuple(t.shape)}, not per key [B*H, 1, Lk]"
-    return None
+    shape = tuple(t.shape)
+    if _folded(e, q):
+        ok = _same(shape, (qs[0] * qs[1], 1, ks[2]))
+    else:
+        lead = shape[:-2]
+        ok = shape[-2] == 1 and _same(shape[-1:], (ks[2],)) and (
+            _same(lead, (qs[1],)) or (len(lead) == 2 and (lead[0] == 1 or _same(lead[:1], (qs[0],)))
+                                       and _same(lead[1:], (qs[1],))))
+    return None if ok else f"bias of shape {tuple(shape)}, not per key ([B*H, 1, Lk] or [.., H, 1, Lk])"
 
 
 def insert_key_bias(graph: fx.Graph, e: Eager, q: fx.Node, before: fx.Node) -> fx.Node:
-    """The [B*H, 1, Lk] bias as the kernel's [B, H, Lk] (a view)."""
+    """The bias as the kernel's [B or 1, H, Lk]: a view of BLOOM's [B*H, 1, Lk], or the query axis
+    of a [.., H, 1, Lk] bias selected away (and a leading 1 added to a 3-d one)."""
     b, h = g.tensor(q).shape[:2]
     lk = g.tensor(e.key_bias).shape[-1]
-    return g.insert_call(graph, before, torch.Tensor.view, (e.key_bias, [b, h, lk]), before)
+    if _folded(e, q):
+        return g.insert_call(graph, before, torch.Tensor.view, (e.key_bias, [b, h, lk]), before)
+    bias = g.insert_call(graph, before, torch.select, (e.key_bias, -2, 0), before)
+    if g.tensor(bias).dim() == 2:
+        bias = g.insert_call(graph, before, torch.unsqueeze, (bias, 0), before)
+    return bias
 
 
 def classify_mask(e: Eager) -> masks.MaskKind | None:

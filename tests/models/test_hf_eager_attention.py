@@ -1,5 +1,5 @@
 """attention, eager-math route: attention written in torch ops (BLOOM's baddbmm of the ALiBi tensor,
-GPT-2's matmuls with transformers' additive causal mask) becomes fusionpass::flash_attention, on by
+MPT's sliced ALiBi tensor and masked_fill, GPT-2's matmuls with transformers' additive causal mask) becomes fusionpass::flash_attention, on by
 default. Tiny HF models (head dim 64, the kernel's smallest) under the Triton interpreter, training
 and inference: exact counts, outputs and gradients equal to plain torch.compile (dropout off); with
 attention dropout on, the loss over several seeds agrees in expectation; padded batches and returned
@@ -43,6 +43,14 @@ def gpt2(layers=2, dropout=0.0):
     return model
 
 
+def mpt(layers=2):
+    config = transformers.MptConfig(vocab_size=96, d_model=HEADS * HEAD_DIM, n_layers=layers, n_heads=HEADS,
+                                    max_seq_len=32)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.MptForCausalLM(config)
+
+
 def ids():
     torch.manual_seed(1)
     return torch.randint(1, 96, (B, S))
@@ -66,6 +74,12 @@ def check(model, variant, train, kwargs=None, rtol=2e-4):
 @pytest.mark.parametrize("train", [True, False])
 def test_bloom_alibi(train):
     check(bloom(), "eager_alibi_kernel", train)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_mpt_alibi(train):
+    # MPT: (q k^T) * scale + the sliced [H, 1, L] ALiBi tensor, masked_fill with the bool mask
+    check(mpt(), "eager_alibi_kernel", train)
 
 
 @pytest.mark.parametrize("train", [True, False])
