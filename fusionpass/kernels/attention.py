@@ -628,15 +628,13 @@ class _Opts:
     """Checked options shared by the forward and the backward (attributes set by `_options`)."""
 
 
-def _check_4d(t, name):
-    if not isinstance(t, torch.Tensor) or t.dim() != 4:
-        raise ValueError(f"{name} must be a 4-D tensor [B, H, L, D]")
-
-
-def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias, kv_lengths,
-             dropout_p, seed, offset, align) -> _Opts:
+def check_qkv(q, k, v, head_dims=HEAD_DIMS) -> tuple[int, int, int, int, int, int]:
+    """(B, Hq, Hkv, Lq, Lk, D) of q [B, Hq, Lq, D] and k = v [B, Hkv, Lk, D] with Hq % Hkv == 0,
+    one dtype of fp16/bf16/fp32, one device and D in `head_dims`; ValueError otherwise. The
+    prefill and decode kernels share it."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        _check_4d(t, name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [B, H, L, D]")
     B, Hq, Lq, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -645,15 +643,21 @@ def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_
     Hkv, Lk = k.shape[1], k.shape[2]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the kv heads ({Hkv})")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head dim {D} not supported (supported: {HEAD_DIMS})")
+    if D not in head_dims:
+        raise ValueError(f"head dim {D} not supported (supported: {head_dims})")
     if q.dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {q.dtype} (fp16, bf16, fp32)")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    dev = q.device
-    if k.device != dev or v.device != dev:
+    if k.device != q.device or v.device != q.device:
         raise ValueError("q, k and v must be on one device")
+    return B, Hq, Hkv, Lq, Lk, D
+
+
+def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias, kv_lengths,
+             dropout_p, seed, offset, align) -> _Opts:
+    B, Hq, Hkv, Lq, Lk, D = check_qkv(q, k, v)
+    dev = q.device
     o = _Opts()
     o.B, o.Hq, o.Hkv, o.Lq, o.Lk, o.D, o.group = B, Hq, Hkv, Lq, Lk, D, Hq // Hkv
     o.scale = 1.0 / math.sqrt(D) if scale is None else float(scale)

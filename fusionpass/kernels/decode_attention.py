@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusionpass.kernels.attention import _load_kv, _mm_operand
+from fusionpass.kernels.attention import _load_kv, _mm_operand, check_qkv
 from fusionpass.kernels.common import (
     _cuda_props,
     _device_guard,
@@ -79,7 +79,6 @@ __all__ = ["HEAD_DIMS", "MAX_Q_LEN", "decode_attention", "default_num_splits"]
 
 HEAD_DIMS = (64, 128, 256)
 MAX_Q_LEN = 16
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 # Launch defaults by head dim: (BLOCK_N keys per step, num_warps, num_stages) of the split kernel.
@@ -275,28 +274,10 @@ def default_num_splits(B: int, Hkv: int, L: int, block_n: int, sms: int, row_blo
 
 
 def _check(q, k, v, kv_lengths, alibi_slopes, key_padding):
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor [B, H, L, D]")
-    B, Hq, Lq, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in batch or head dim")
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the kv heads ({Hkv})")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head dim {D} not supported (supported: {HEAD_DIMS})")
+    B, Hq, _, Lq, L, _ = check_qkv(q, k, v, HEAD_DIMS)
     if not 1 <= Lq <= MAX_Q_LEN:
         raise ValueError(f"query length {Lq} not supported (1..{MAX_Q_LEN}; use attention_fwd for prefill)")
-    if q.dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {q.dtype} (fp16, bf16, fp32)")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     dev = q.device
-    if k.device != dev or v.device != dev:
-        raise ValueError("q, k and v must be on one device")
     if (not isinstance(kv_lengths, torch.Tensor) or kv_lengths.shape != (B,)
             or kv_lengths.dtype not in (torch.int32, torch.int64) or kv_lengths.device != dev):
         raise ValueError(f"kv_lengths must be an int32/int64 tensor of shape [{B}] on the inputs' device")
@@ -305,7 +286,6 @@ def _check(q, k, v, kv_lengths, alibi_slopes, key_padding):
             or not alibi_slopes.is_floating_point() or alibi_slopes.device != dev):
         raise ValueError(f"alibi_slopes must be a float tensor of shape [{Hq}] on the inputs' device")
     if key_padding is not None:
-        L = k.shape[2]
         if not isinstance(key_padding, torch.Tensor) or key_padding.shape != (B, L):
             shape = tuple(key_padding.shape) if isinstance(key_padding, torch.Tensor) else type(key_padding).__name__
             raise ValueError(f"key_padding must be a bool tensor of shape [B, L] = [{B}, {L}], got {shape}")
