@@ -11,6 +11,12 @@ position". That is the kernel's rule with kv_lengths[b] = q_pos[-1] + 1 for ever
 position kv_lengths - Lq + i, keys past it not read at all (the SDPA call reads all L). The kernel
 reads the cache's grouped heads directly: the repeat_kv copies go.
 
+The same step written in torch ops (attn_implementation="eager": `matmul(q, repeat_kv(k)^T) *
+scale + torch.where(mask, 0, min)`, an fp32 softmax, `matmul(p, repeat_kv(v))`, read by
+fusionpass.patterns.eager_attention) is matched the same way through the boolean mask under the
+additive one. There a query row that sees no key would average every value, where the kernel
+gives 0; in a decode step the new token always sees its own key.
+
 With an attention_mask (generate() passes one), the mask is also AND-ed with a lookup
 `padding[batch_idx, kv_idx]` into the [B, L] bool tensor transformers pads the attention_mask to;
 that tensor goes to the kernel as its key-padding vector. With one query token, any boolean mask
@@ -29,6 +35,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusionpass import registry
+from fusionpass.patterns import eager_attention as eager
 from fusionpass.patterns import graph as g
 from fusionpass.patterns import masks
 from fusionpass.patterns.attention import (
@@ -151,17 +158,35 @@ def decode_mask(mask: fx.Node, args: dict) -> tuple[fx.Node, int, int, list[fx.N
     return q_pos, lq, length, [*nodes, *causal_nodes], key_padding
 
 
-def is_decode_step(node) -> bool:
-    """SDPA with a mask, a static query length <= MAX_QUERY and a longer static key length
-    (prefill and training are the attention fusion's)."""
+def _decode_sized(lq, lk) -> bool:
+    lq, lk = g.static_int(lq), g.static_int(lk)
+    return lq is not None and lk is not None and lq <= MAX_QUERY and lk > lq
+
+
+def _is_sdpa_decode_step(node) -> bool:
     if not (is_sdpa(node) and isinstance(sdpa_arguments(node)["attn_mask"], fx.Node)):
         return False
     args = sdpa_arguments(node)
     q, k = g.tensor(args["query"]), g.tensor(args["key"])
     if q is None or k is None or q.dim() != 4 or k.dim() != 4:
         return False
-    lq, lk = g.static_int(q.shape[2]), g.static_int(k.shape[2])
-    return lq is not None and lk is not None and lq <= MAX_QUERY and lk > lq
+    return _decode_sized(q.shape[2], k.shape[2])
+
+
+def _is_eager_decode_step(node) -> bool:
+    # probs @ v with the output's rows (the query length) few and v's (the cache) more
+    if not eager.is_anchor(node):
+        return False
+    out, v = g.tensor(node), g.tensor(node.args[1])
+    return out is not None and v is not None and out.dim() >= 3 and v.dim() >= 3 and _decode_sized(
+        out.shape[-2], v.shape[-2])
+
+
+def is_decode_step(node) -> bool:
+    """SDPA with a mask, or eager-math attention (matmuls and a softmax), with a static query
+    length <= MAX_QUERY and a longer static key length (prefill and training are the attention
+    fusion's)."""
+    return _is_sdpa_decode_step(node) or _is_eager_decode_step(node)
 
 
 def _one_query_key_mask(mask: fx.Node, q: torch.Tensor, lk: int) -> bool:
@@ -178,8 +203,27 @@ def _one_query_key_mask(mask: fx.Node, q: torch.Tensor, lk: int) -> bool:
 
 
 def search(node: fx.Node) -> Match | None:
-    args = sdpa_arguments(node)
-    mask, q, k = args["attn_mask"], g.tensor(args["query"]), g.tensor(args["key"])
+    if is_sdpa(node):
+        args = sdpa_arguments(node)
+        return _search(node, args, args["attn_mask"], [node], [])
+    found = eager.describe(node)
+    if found is None:
+        return None
+    e, args = found
+    if e.key_bias is not None:
+        raise NearMiss("eager decode attention with a bias on the scores (ALiBi tensor): the decode kernel "
+                       "takes per-head slopes, not a bias tensor")
+    if e.mask is None:
+        raise NearMiss("eager decode attention without a mask over the cache (the mask decides which "
+                       "cache slots are valid)")
+    # the additive mask's boolean mask: a query row seeing no key would average every value under
+    # the additive mask and get 0 from the kernel; in a decode step the new token always sees its
+    # own key, so only a malformed mask can tell them apart
+    return _search(node, args, e.mask, list(e.nodes), list(e.mask_nodes))
+
+
+def _search(node: fx.Node, args: dict, mask: fx.Node, nodes: list, extra_mask_nodes: list) -> Match:
+    q, k = g.tensor(args["query"]), g.tensor(args["key"])
     lq, lk = g.static_int(q.shape[2]), g.static_int(k.shape[2])
     if g.dtype(mask) != torch.bool:
         raise NearMiss(f"decode attention mask of dtype {g.dtype(mask)} (an additive bias)")
@@ -196,8 +240,9 @@ def search(node: fx.Node) -> Match | None:
             return Match(
                 variant="one_query_any_mask",
                 anchor=node,
-                nodes=[node],
-                bindings=dict(args=args, key=key, value=value, q_pos=None, mask_nodes=[], key_padding=mask),
+                nodes=nodes,
+                bindings=dict(args=args, key=key, value=value, q_pos=None, mask_nodes=extra_mask_nodes,
+                              key_padding=mask),
             )
         raise
     if mask_lq != lq or mask_l != lk:
@@ -205,8 +250,9 @@ def search(node: fx.Node) -> Match | None:
     return Match(
         variant="static_cache",
         anchor=node,
-        nodes=[node],
-        bindings=dict(args=args, key=key, value=value, q_pos=q_pos, mask_nodes=mask_nodes, key_padding=key_padding),
+        nodes=nodes,
+        bindings=dict(args=args, key=key, value=value, q_pos=q_pos, mask_nodes=[*extra_mask_nodes, *mask_nodes],
+                      key_padding=key_padding),
     )
 
 
@@ -276,8 +322,15 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
         (q, b["key"], b["value"], lengths, key_padding, scale), node
     )
     out.meta.update({k: v for k, v in node.meta.items() if k != "example_value"})
+    if g.tensor(node).dim() == 3:
+        # an eager bmm's [B*H, Lq, D]
+        with graph.inserting_after(out):
+            flat = graph.call_method("reshape", (out, list(g.tensor(node).shape)))
+        flat.meta.update(node.meta)
+        out = flat
     node.replace_all_uses_with(out)
     graph.erase_node(node)
+    g.erase_unused(graph, [n for n in m.nodes if n is not node])
     g.erase_unused(graph, [n for n in b["mask_nodes"] if n.op != "placeholder"])
     g.erase_unused(graph, _repeat_kv_nodes(args))
 
@@ -286,7 +339,8 @@ DECODE_ATTENTION = registry.register(
     Fusion(
         name="decode_attention",
         matches=(
-            "SDPA of at most 16 query tokens over a static KV cache with transformers' decode mask "
+            "SDPA or eager-math attention (matmul, additive mask, softmax, matmul) of at most 16 "
+            "query tokens over a static KV cache with transformers' decode mask "
             "(kv_idx <= arange(Lq) + cache length, and generate()'s key-padding lookup), or one "
             "query token with any [B, 1, 1, L] boolean mask (variant one_query_any_mask); repeat_kv "
             "copies or enable_gqa"

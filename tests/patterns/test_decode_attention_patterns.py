@@ -25,12 +25,12 @@ def _small_blocks(monkeypatch):
     monkeypatch.setattr(decode_ops, "CPU_LAUNCH", {"block_n": 16})
 
 
-def model(family):
+def model(family, attn="sdpa"):
     kw = dict(hidden_size=256, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
     config = (transformers.LlamaConfig(head_dim=64, **kw) if family == "llama"
               else transformers.Qwen2Config(**kw))
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
@@ -68,8 +68,28 @@ def test_decode_step_matches(family, q_len):
     assert_tensors_close(outs[True], outs[False], 1e-4, "logits")
 
 
-def test_greedy_tokens_identical():
-    m = model("llama")
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_eager_decode_step_matches(q_len):
+    # attn_implementation="eager": matmul(q, repeat_kv(k)^T) * scale + where(decode mask, 0, min),
+    # fp32 softmax, matmul with repeat_kv(v), the same mask machinery under the additive form
+    m = model("llama", attn="eager")
+    cache, _ = prefilled(m)
+    torch.manual_seed(2)
+    step = torch.randint(1, 96, (BATCH, q_len))
+    outs = {}
+    with compiling(), torch.no_grad():
+        for fused in (True, False):
+            c = copy.deepcopy(cache)
+            outs[fused] = compiled(m, fused)(step, past_key_values=c, use_cache=True).logits
+            if fused:
+                assert fusionpass.stats(variants=True) == {(FUSION, "static_cache"): LAYERS}
+                assert near_misses() == []
+    assert_tensors_close(outs[True], outs[False], 1e-4, "logits")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_greedy_tokens_identical(attn):
+    m = model("llama", attn)
     tokens = {}
     for fused in (True, False):
         cache, token = prefilled(m)
@@ -128,8 +148,9 @@ def test_generate_static_cache_left_padded():
     assert torch.equal(tokens[True], tokens[False]), (tokens[True], tokens[False])
 
 
-def test_prefill_and_training_are_not_decode():
-    m = model("llama").train()
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_prefill_and_training_are_not_decode(attn):
+    m = model("llama", attn).train()
     torch.manual_seed(3)
     ids = torch.randint(1, 96, (BATCH, 8))
     with compiling():
