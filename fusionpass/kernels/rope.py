@@ -35,12 +35,19 @@ def _rope_rows(
     sc0, sc1, sc2, sc3,
     ss0, ss1, ss2, ss3,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BACKWARD: tl.constexpr, ROUND_BITS: tl.constexpr,
+    BACKWARD: tl.constexpr, ROUND_BITS: tl.constexpr, WIDE: tl.constexpr, STREAM: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
     DT: tl.constexpr = o_ptr.dtype.element_ty
     HALF: tl.constexpr = ROT_DIM // 2
-    rows = block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    # q/k are read once (evict first); cos/sin are re-read for every head (keep them in L2)
+    X_EVICT: tl.constexpr = "evict_first" if STREAM else ""
+    CS_EVICT: tl.constexpr = "evict_last" if STREAM else ""
+    if WIDE:
+        # element offsets can pass 2**31: 64-bit index math (else 32-bit, half the address work)
+        rows = block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    else:
+        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     i2 = rows % A2
     i1 = (rows // A2) % A1
@@ -58,12 +65,18 @@ def _rope_rows(
         ca = p
         cb = p + HALF
     mask = row_ok[:, None] & (p < HALF)[None, :]
-    xa = tl.load(x_ptr + x_row[:, None] + ca[None, :] * sx3, mask=mask, other=0.0).to(tl.float32)
-    xb = tl.load(x_ptr + x_row[:, None] + cb[None, :] * sx3, mask=mask, other=0.0).to(tl.float32)
-    cos_a = tl.load(cos_ptr + c_row[:, None] + ca[None, :] * sc3, mask=mask, other=0.0).to(tl.float32)
-    cos_b = tl.load(cos_ptr + c_row[:, None] + cb[None, :] * sc3, mask=mask, other=0.0).to(tl.float32)
-    sin_a = tl.load(sin_ptr + s_row[:, None] + ca[None, :] * ss3, mask=mask, other=0.0).to(tl.float32)
-    sin_b = tl.load(sin_ptr + s_row[:, None] + cb[None, :] * ss3, mask=mask, other=0.0).to(tl.float32)
+    xa = tl.load(x_ptr + x_row[:, None] + ca[None, :] * sx3, mask=mask, other=0.0,
+                 eviction_policy=X_EVICT).to(tl.float32)
+    xb = tl.load(x_ptr + x_row[:, None] + cb[None, :] * sx3, mask=mask, other=0.0,
+                 eviction_policy=X_EVICT).to(tl.float32)
+    cos_a = tl.load(cos_ptr + c_row[:, None] + ca[None, :] * sc3, mask=mask, other=0.0,
+                    eviction_policy=CS_EVICT).to(tl.float32)
+    cos_b = tl.load(cos_ptr + c_row[:, None] + cb[None, :] * sc3, mask=mask, other=0.0,
+                    eviction_policy=CS_EVICT).to(tl.float32)
+    sin_a = tl.load(sin_ptr + s_row[:, None] + ca[None, :] * ss3, mask=mask, other=0.0,
+                    eviction_policy=CS_EVICT).to(tl.float32)
+    sin_b = tl.load(sin_ptr + s_row[:, None] + cb[None, :] * ss3, mask=mask, other=0.0,
+                    eviction_policy=CS_EVICT).to(tl.float32)
     if BACKWARD:
         ya = xa * cos_a + xb * sin_b
         yb = xb * cos_b - xa * sin_a
@@ -88,7 +101,7 @@ def _rope_kernel(
     sc0, sc1, sc2, sc3,
     ss0, ss1, ss2, ss3,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BACKWARD: tl.constexpr, ROUND_BITS: tl.constexpr,
+    BACKWARD: tl.constexpr, ROUND_BITS: tl.constexpr, WIDE: tl.constexpr, STREAM: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -96,12 +109,12 @@ def _rope_kernel(
     if pid < q_blocks:
         _rope_rows(q_ptr, qo_ptr, cos_ptr, sin_ptr, pid, nq, QA1, QA2,
                    sq0, sq1, sq2, sq3, sqo0, sqo1, sqo2, sqo3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3,
-                   HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, ROUND_BITS,
+                   HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, ROUND_BITS, WIDE, STREAM,
                    BLOCK_R, BLOCK_P, BLOCK_PASS)
     else:
         _rope_rows(k_ptr, ko_ptr, cos_ptr, sin_ptr, pid - q_blocks, nk, KA1, KA2,
                    sk0, sk1, sk2, sk3, sko0, sko1, sko2, sko3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3,
-                   HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, ROUND_BITS,
+                   HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, ROUND_BITS, WIDE, STREAM,
                    BLOCK_R, BLOCK_P, BLOCK_PASS)
 
 
@@ -112,6 +125,17 @@ def empty_out(x: torch.Tensor) -> torch.Tensor:
     """The output for input x: x's layout where x is dense (as the eager `x * cos + ...` gives),
     else contiguous. The fake impls use this too."""
     return torch.empty_like(x, memory_format=torch.preserve_format)
+
+
+_STREAM = False  # cache hints off by default until the H200 sweep says otherwise
+_WIDE_AT = 2**31  # offsets from here on need 64-bit index math
+
+
+def _reach(t: torch.Tensor, block_rows: int) -> int:
+    """An upper bound on the offsets the kernel computes for t: every index at most its size (the
+    last block's masked rows run one past the leading dim), and the row count itself."""
+    offsets = sum(abs(st) * sz for st, sz in zip(t.stride(), t.shape)) + abs(t.stride(0))
+    return max(offsets, t.shape[0] * t.shape[1] * t.shape[2] + block_rows)
 
 
 def _broadcast_strides(t: torch.Tensor) -> tuple:
@@ -128,9 +152,11 @@ def rope(
     backward: bool = False,
     block_rows: int | None = None,
     num_warps: int | None = None,
+    stream: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q_out, k_out) = rotation of q and k (k may be None) in one launch; `backward` applies the
-    transposed map (for gradients). Block sizes: `block_rows` rows per program, `num_warps`."""
+    transposed map (for gradients). Block sizes: `block_rows` rows per program, `num_warps`;
+    `stream`: cache hints (q/k evicted first, cos/sin kept)."""
     if form not in FORMS:
         raise ValueError(f"unknown RoPE form {form!r}; known: {FORMS}")
     head_dim = int(q.shape[-1])  # a constexpr: the pattern only matches static head dims
@@ -156,7 +182,12 @@ def rope(
         raise ValueError(f"block_rows {block_rows} must be a power of 2")
     if num_warps is None:
         num_warps = 4
+    if stream is None:
+        stream = _STREAM
     grid = (triton.cdiv(nq, block_rows) + triton.cdiv(nk, block_rows),)
+    # the largest element offset any operand can reach (rows past the end included: the last
+    # program's masked rows still compute their addresses)
+    reach = max(_reach(t, block_rows) for t in (q, q_out, kk, kko, cos, sin))
     round_bits = q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") == "1"
     with _device_guard(q.device):
         _launcher(_rope_kernel, q)[grid](
@@ -166,7 +197,7 @@ def rope(
             *_broadcast_strides(cos),
             *_broadcast_strides(sin),
             HEAD_DIM=head_dim, ROT_DIM=rotary_dim, INTERLEAVED=form == "interleaved",
-            BACKWARD=backward, ROUND_BITS=round_bits,
+            BACKWARD=backward, ROUND_BITS=round_bits, WIDE=reach >= _WIDE_AT, STREAM=bool(stream),
             BLOCK_R=block_rows, BLOCK_P=block_p, BLOCK_PASS=block_pass,
             num_warps=num_warps,
         )

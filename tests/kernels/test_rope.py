@@ -87,6 +87,20 @@ def test_gptj_layout_and_block_override():
     _close(k_out, _ref(k, cos, sin, "interleaved", R), FP32, "k")
 
 
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_index_width_and_cache_hints(monkeypatch, wide, stream):
+    """32-bit index math (offsets below 2**31) and 64-bit (forced here by lowering the threshold),
+    with and without the cache hints: the same rotation."""
+    from fusionpass.kernels import rope as rope_kernels
+
+    monkeypatch.setattr(rope_kernels, "_WIDE_AT", 0 if wide else 2**31)
+    q, k, cos, sin = _inputs(FP32, 16, S=9)
+    q_out, k_out = rope(q, k, cos, sin, "rotate_half", 16, stream=stream, block_rows=4)
+    _close(q_out, _ref(q, cos, sin, "rotate_half", 16), FP32, "q")
+    _close(k_out, _ref(k, cos, sin, "rotate_half", 16), FP32, "k")
+
+
 def test_rejects_bad_arguments():
     q = torch.randn(1, 2, 3, 8)
     cos = torch.randn(1, 1, 3, 8)
