@@ -10,13 +10,16 @@ attention_fwd). Q/K/V loads and the O store go through tensor descriptors:
           (bounds per head: odd lengths zero-fill / clip); needs `triton.set_allocator` (done here).
   DESC=1  host-side `TensorDescriptor` over the 4-D tensors, block [1, 1, rows, D] (any strides with
           a contiguous last dim).
+  DESC=2  host-side 2-D `TensorDescriptor` over contiguous tensors flattened to [B * H * L, D] (as
+          Triton's fused-attention tutorial; needs L % block == 0: a block must not cross heads).
 Launch options: BLOCK_M, BLOCK_N, num_warps, num_stages, WS (`tl.range(..., warp_specialize=True)`
 on the key loops), ORDER (0: query block fastest, as attention_fwd; 1: longest (last) query blocks
 of every head first; 2: persistent grid of NUM_PROGS programs walking the order-1 tile list).
 
 Modes (python benchmarks/probes/attention_tma_fwd.py MODE):
   gpu      (default) numerics vs SDPA + kernel_time table, B4 H32 S4096 D128 bf16 and GQA Hkv 8;
-           writes $OUT/attention_tma_fwd.json; total time bounded by --budget seconds (150).
+           writes $OUT/attention_tma_fwd.json; total time bounded by --budget seconds (150);
+           --only=REGEX keeps the variants whose name (as printed) matches.
   cpu      TRITON_INTERPRET=1 numerics at tiny odd shapes against a float64 reference.
   compile  offline sm_90 compile of every variant (no GPU): TMA / wgmma / warp_specialize in the
            output, registers and spills from `ptxas -v`; writes $OUT/attention_tma_fwd_compile.json.
@@ -30,6 +33,7 @@ if MODE == "cpu":
 else:
     os.environ.pop("TRITON_INTERPRET", None)
 
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
@@ -51,10 +55,13 @@ _LN2 = tl.constexpr(0.6931471805599453)
 # Kernel
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _ld(desc, b, h, row, BLOCK: tl.constexpr, D: tl.constexpr, DESC: tl.constexpr, INTERP: tl.constexpr):
-    """[BLOCK, D] tile at row `row` of head (b, h) (device descriptors are per head already)."""
+def _ld(desc, b, h, row, H, L, BLOCK: tl.constexpr, D: tl.constexpr, DESC: tl.constexpr, INTERP: tl.constexpr):
+    """[BLOCK, D] tile at row `row` of head (b, h) (device descriptors are per head already; the
+    flat 2-D descriptor of DESC=2 has H heads of L rows each)."""
     if DESC == 0:
         x = desc.load([row, 0])
+    elif DESC == 2:
+        x = desc.load([(b * H + h) * L + row, 0])
     else:
         x = desc.load([b, h, row, 0]).reshape([BLOCK, D])
     if INTERP:
@@ -63,12 +70,12 @@ def _ld(desc, b, h, row, BLOCK: tl.constexpr, D: tl.constexpr, DESC: tl.constexp
 
 
 @triton.jit
-def _steps(acc, l_i, m_i, q, k_desc, v_desc, b, hk, start, end, offs_m, offs_n, Lk, qk_scale,
+def _steps(acc, l_i, m_i, q, k_desc, v_desc, b, hk, Hkv, start, end, offs_m, offs_n, Lk, qk_scale,
            MASKED: tl.constexpr, WS: tl.constexpr, DESC: tl.constexpr, DT: tl.constexpr,
            INTERP: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WS):
         n0 = tl.multiple_of(n0, BLOCK_N)
-        k = _ld(k_desc, b, hk, n0, BLOCK_N, D, DESC, INTERP)
+        k = _ld(k_desc, b, hk, n0, Hkv, Lk, BLOCK_N, D, DESC, INTERP)
         s = tl.dot(q, k.T)
         if MASKED:
             cols = n0 + offs_n
@@ -85,7 +92,7 @@ def _steps(acc, l_i, m_i, q, k_desc, v_desc, b, hk, start, end, offs_m, offs_n, 
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _ld(v_desc, b, hk, n0, BLOCK_N, D, DESC, INTERP)
+        v = _ld(v_desc, b, hk, n0, Hkv, Lk, BLOCK_N, D, DESC, INTERP)
         if INTERP:
             acc = tl.dot(_round(p, DT, True), v, acc)
         else:
@@ -121,22 +128,27 @@ def _tile(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh
     DT: tl.constexpr = q_desc.dtype
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    q = _ld(q_desc, b, h, m0, BLOCK_M, D, DESC, INTERP)
+    q = _ld(q_desc, b, h, m0, Hq, Lq, BLOCK_M, D, DESC, INTERP)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     # keys [0, full_hi): seen whole by every row of the block; [full_hi, hi): diagonal, masked
     hi = tl.minimum(tl.minimum(m0 + BLOCK_M, Lq), Lk)
     full_hi = tl.minimum(m0 + 1, Lk) // BLOCK_N * BLOCK_N
-    acc, l_i, m_i = _steps(acc, l_i, m_i, q, k_desc, v_desc, b, hk, 0, full_hi, offs_m, offs_n, Lk, qk_scale,
-                           False, WS, DESC, DT, INTERP, BLOCK_N, D)
-    acc, l_i, m_i = _steps(acc, l_i, m_i, q, k_desc, v_desc, b, hk, full_hi, hi, offs_m, offs_n, Lk, qk_scale,
-                           True, WS, DESC, DT, INTERP, BLOCK_N, D)
+    # WS: 0 no warp specialization, 1 on both key loops, 2 on the unmasked loop only
+    WS_FULL: tl.constexpr = WS > 0
+    WS_DIAG: tl.constexpr = WS == 1
+    acc, l_i, m_i = _steps(acc, l_i, m_i, q, k_desc, v_desc, b, hk, Hq // GROUP, 0, full_hi, offs_m, offs_n, Lk, qk_scale,
+                           False, WS_FULL, DESC, DT, INTERP, BLOCK_N, D)
+    acc, l_i, m_i = _steps(acc, l_i, m_i, q, k_desc, v_desc, b, hk, Hq // GROUP, full_hi, hi, offs_m, offs_n, Lk, qk_scale,
+                           True, WS_DIAG, DESC, DT, INTERP, BLOCK_N, D)
     out = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * _LN2
     out = _for_store(out, DT, INTERP).to(DT)
     if DESC == 0:
         o_desc.store([m0, 0], out)
+    elif DESC == 2:
+        o_desc.store([bh * Lq + m0, 0], out)
     else:
         o_desc.store([b, h, m0, 0], out.reshape([1, 1, BLOCK_M, D]))
     tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
@@ -189,8 +201,8 @@ def _num_sms(dev):
     return 4
 
 
-def tma_attention_fwd(q, k, v, block_m=128, block_n=64, num_warps=8, num_stages=3, ws=False, desc=0, order=0,
-                      progs_per_sm=1, out=None, lse=None):
+def tma_attention_fwd(q, k, v, block_m=128, block_n=64, num_warps=8, num_stages=3, ws=0, desc=0, order=0,
+                      progs_per_sm=1, out=None, lse=None, warmup=False):
     """(out, lse) of causal attention (top-left), q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D], last dim
     contiguous, D a power of two (TMA block)."""
     B, Hq, Lq, D = q.shape
@@ -209,12 +221,23 @@ def tma_attention_fwd(q, k, v, block_m=128, block_n=64, num_warps=8, num_stages=
         if not interp:
             _set_allocator()
         Qa, Ka, Va, Oa = q, k, v, out
+    elif desc == 2:
+        # tutorial-style flat [B * H * L, D] descriptors: a block must not straddle two heads
+        assert Lq % block_m == 0 and Lk % block_n == 0, "DESC=2 needs Lq % block_m == Lk % block_n == 0"
+        for t in (q, k, v, out):
+            assert t.is_contiguous()
+        Qa = TensorDescriptor(q, [B * Hq * Lq, D], [D, 1], [block_m, D])
+        Ka = TensorDescriptor(k, [B * Hkv * Lk, D], [D, 1], [block_n, D])
+        Va = TensorDescriptor(v, [B * Hkv * Lk, D], [D, 1], [block_n, D])
+        Oa = TensorDescriptor(out, [B * Hq * Lq, D], [D, 1], [block_m, D])
     else:
         Qa = TensorDescriptor(q, list(q.shape), list(q.stride()), [1, 1, block_m, D])
         Ka = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, block_n, D])
         Va = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, block_n, D])
         Oa = TensorDescriptor(out, list(out.shape), list(out.stride()), [1, 1, block_m, D])
-    _tma_fwd_kernel[(nprogs,)](
+    launch = (functools.partial(_tma_fwd_kernel.warmup, grid=(nprogs,)) if warmup
+              else _tma_fwd_kernel[(nprogs,)])
+    launch(
         Qa, Ka, Va, Oa, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         Hq, Lq, Lk, Hq // Hkv, num_m, num_bh, 1.0 / math.sqrt(D),
@@ -230,35 +253,37 @@ def vname(v):
 
 def variants():
     """Every launch variant, most informative first (the GPU run times them in this order until
-    its budget runs out)."""
+    its budget runs out). Warp specialization (WS) on sm_90 with triton 3.6, offline compile: a
+    no-op at num_warps 8 (no partitions made), and the Hopper pass (NVGPUWarpSpecialization) fails
+    at num_warps 4 for this kernel; only three WS entries are kept, to record that on the GPU."""
     V = []
+
     def add(**kw):
-        d = dict(desc=0, block_m=128, block_n=64, num_warps=8, num_stages=3, ws=False, order=0)
+        d = dict(desc=0, block_m=128, block_n=64, num_warps=8, num_stages=3, ws=0, order=0)
         d.update(kw)
         if d not in V:
             V.append(d)
-    # the existing kernel's launch, with each knob changed alone
+    # the existing kernel's launch, then each knob changed alone
     add()
+    add(desc=2)
     add(desc=1)
     add(order=1)
+    add(order=2)
     add(block_n=128)
-    add(ws=True)
     add(num_stages=2)
     add(num_stages=4)
     add(num_warps=4)
-    add(order=2)
     add(block_n=128, num_stages=2)
-    add(block_n=128, ws=True)
-    add(ws=True, num_warps=4)
-    add(block_n=128, ws=True, num_warps=4)
-    # combinations
-    for desc in (0, 1):
-        for ws in (False, True):
-            for bn in (64, 128):
-                for nw in (8, 4):
-                    for st in (2, 3, 4):
-                        for order in (1, 0, 2):
-                            add(desc=desc, ws=ws, block_n=bn, num_warps=nw, num_stages=st, order=order)
+    add(ws=1)
+    add(ws=1, num_warps=4)
+    add(ws=2, num_warps=4, desc=2)
+    # combinations (program order outermost: each order's sweep completes before the next)
+    for order in (1, 0, 2):
+        for bn in (64, 128):
+            for nw in (8, 4):
+                for st in (3, 2, 4):
+                    for desc in (0, 2, 1):
+                        add(desc=desc, block_n=bn, num_warps=nw, num_stages=st, order=order)
     return V
 
 
@@ -291,9 +316,10 @@ def cpu_check():
         dict(B=2, Hq=2, Hkv=1, Lq=45, Lk=70, D=16, block_m=16, block_n=32),
         dict(B=1, Hq=3, Hkv=3, Lq=70, Lk=45, D=32, block_m=32, block_n=32),
         dict(B=1, Hq=2, Hkv=1, Lq=1, Lk=1, D=16, block_m=16, block_n=16),
+        dict(B=2, Hq=4, Hkv=2, Lq=64, Lk=64, D=32, block_m=32, block_n=16),  # DESC=2 runs here only
     ]
-    opts = [dict(desc=0, order=0, ws=False), dict(desc=1, order=1, ws=False), dict(desc=0, order=2, ws=True),
-            dict(desc=1, order=2, ws=True)]
+    opts = [dict(desc=0, order=0, ws=0), dict(desc=1, order=1, ws=0), dict(desc=0, order=2, ws=1),
+            dict(desc=1, order=2, ws=2), dict(desc=2, order=0, ws=0), dict(desc=2, order=2, ws=1)]
     for c in cases:
         for dt in (torch.bfloat16, torch.float16, torch.float32):
             q = torch.randn(c["B"], c["Hq"], c["Lq"], c["D"], dtype=dt)
@@ -301,6 +327,8 @@ def cpu_check():
             v = torch.randn(c["B"], c["Hkv"], c["Lk"], c["D"], dtype=dt)
             ro, rl = ref64(q, k, v)
             for o in opts:
+                if o["desc"] == 2 and (c["Lq"] % c["block_m"] or c["Lk"] % c["block_n"]):
+                    continue
                 name = f"{c} {dt} {o}"
                 try:
                     out, lse = tma_attention_fwd(q, k, v, block_m=c["block_m"], block_n=c["block_n"], **o)
@@ -337,7 +365,8 @@ def compile_check(limit=None):
         for name in fn.arg_names:
             if name in ("Q", "K", "V", "O"):
                 bm = v["block_n"] if name in ("K", "V") else v["block_m"]
-                sig[name] = "*bf16" if v["desc"] == 0 else f"tensordesc<bf16[1,1,{bm},{D}]>"
+                sig[name] = ("*bf16" if v["desc"] == 0 else f"tensordesc<bf16[1,1,{bm},{D}]>" if v["desc"] == 1
+                             else f"tensordesc<bf16[{bm},{D}]>")
             elif name == "LSE":
                 sig[name] = "*fp32"
             elif name == "sm_scale":
@@ -382,7 +411,27 @@ def compile_check(limit=None):
 # --------------------------------------------------------------------------------------------------
 # GPU run
 # --------------------------------------------------------------------------------------------------
-def gpu_run(budget):
+def precompile(vs, q, k, v, seconds):
+    """Compile the variants concurrently (triton.AsyncCompileMode, threads: ptxas runs as a
+    subprocess) so that the timing loop does not pay one compile after another. Failures are
+    ignored here and reported again by the timed call. Returns the wall seconds taken."""
+    from concurrent.futures import ThreadPoolExecutor
+    t0 = time.time()
+    try:
+        with ThreadPoolExecutor(max(4, (os.cpu_count() or 8))) as ex, triton.AsyncCompileMode(ex, ignore_errors=True):
+            for var in vs:
+                if time.time() - t0 > seconds:
+                    break
+                try:
+                    tma_attention_fwd(q, k, v, warmup=True, **var)
+                except Exception:
+                    pass
+    except Exception as e:
+        print("precompile failed:", repr(e)[:200], flush=True)
+    return round(time.time() - t0, 1)
+
+
+def gpu_run(budget, only=None):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -407,6 +456,9 @@ def gpu_run(budget):
 
     B, H, S, D = 4, 32, 4096, 128
     all_v = variants()
+    if only:
+        import re
+        all_v = [x for x in all_v if re.search(only, vname(x))]
     best = []
     for case, Hkv, share in (("mha", H, 0.75), ("gqa8", 8, 1.0)):
         rows = res["cases"].setdefault(case, {})
@@ -429,6 +481,12 @@ def gpu_run(budget):
             print(case, name, rows[name], flush=True)
         # the GQA case times the 6 fastest MHA variants plus the reference launches
         todo = all_v if case == "mha" else [x for x in all_v if vname(x) in best[:6]] or all_v[:6]
+        # sm_90 Hopper warp specialization fails in the compiler for num_warps 4 (offline check):
+        # compiled one at a time after the others, so that a compiler abort loses nothing else
+        pre = [x for x in todo if not (x["ws"] and x["num_warps"] == 4)]
+        res[f"{case}_precompile_s"] = precompile(pre[:72] if case == "mha" else pre, q, k, v, budget * 0.4)
+        print(case, "precompile s", res[f"{case}_precompile_s"], flush=True)
+        todo = pre + [x for x in todo if x not in pre]
         deadline = t_start + budget * share
         for var in todo:
             if time.time() > deadline:
@@ -484,4 +542,5 @@ if __name__ == "__main__":
         json.dump(r, open(f"{OUT}/attention_tma_fwd_compile.json", "w"), indent=1, default=str)
     else:
         bud = next((float(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--budget=")), 150.0)
-        gpu_run(bud)
+        only = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")), None)
+        gpu_run(bud, only)
