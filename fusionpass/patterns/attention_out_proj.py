@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusionpass import registry
-from fusionpass.ops import flash_attention as flash_ops  # noqa: F401  (registers the op the anchor names)
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
 
@@ -56,6 +55,7 @@ _ADDMMS = (torch.addmm, "addmm")
 
 
 def _flash_attention():
+    # registered by fusionpass.ops, which the pass imports before any fusion runs
     return torch.ops.fusionpass.flash_attention.default
 
 
