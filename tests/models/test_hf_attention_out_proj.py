@@ -1,6 +1,7 @@
 """attention_out_proj on tiny HF models whose eager attention goes to fusionpass::flash_attention
 (GPT-2: transpose(1, 2).reshape(...).contiguous() into Conv1D's addmm; BLOOM: _merge_heads'
-view/permute/reshape into `dense`), training and inference, under the Triton interpreter: exact
+view/permute/reshape into `dense`; Mistral through the SDPA kernel route: transpose/contiguous/
+reshape into o_proj), training and inference, under the Triton interpreter: exact
 match counts, outputs and gradients equal to plain torch.compile, and in Inductor's generated
 forward code the projection GEMM reads the attention output buffer itself (no copy kernel between
 them)."""
@@ -19,6 +20,7 @@ from fusionpass.ops import flash_attention as fa_ops
 transformers = pytest.importorskip("transformers")
 
 from models.test_hf_eager_attention import bloom, gpt2, ids  # noqa: E402  (after the importorskip)
+from patterns.test_attention_kernel_patterns import _mistral  # noqa: E402
 
 FUSIONS = ["attention", "attention_out_proj"]
 FLASH = torch.ops.fusionpass.flash_attention.default
@@ -47,12 +49,12 @@ def attention_output_readers(code: str) -> list[str]:
     return readers
 
 
-def check(model, attention_variant, out_proj_variant, train, layers=2):
-    x = ids()
+def check(model, attention_variant, out_proj_variant, train, layers=2, x=None, dynamic=None, **config):
+    x = ids() if x is None else x
     kwargs = {"use_cache": False, **({"labels": x} if train else {})}
     model.train(train)
     with compiling():
-        fused = torch.compile(model, backend=make_backend(FUSIONS), fullgraph=True)
+        fused = torch.compile(model, backend=make_backend(FUSIONS, **config), fullgraph=True, dynamic=dynamic)
         got, codes = run_and_get_code(run, fused, model, (x,), train, kwargs=kwargs)
         stats = fusionpass.stats(variants=True)
     assert near_misses() == []
@@ -74,6 +76,14 @@ def test_gpt2(train):
 @pytest.mark.parametrize("train", [True, False])
 def test_bloom(train):
     check(bloom(), "eager_alibi_kernel", "merge_heads", train)
+
+
+def test_mistral_sdpa_kernel_route():
+    # Llama family through the SDPA kernel route (attention_kernel=True): transpose(1, 2).contiguous()
+    # .reshape(B, S, -1).contiguous() into o_proj, the residual add then RMSNorm after it
+    torch.manual_seed(1)
+    x = torch.randint(1, 128, (2, 8))
+    check(_mistral(), "sliding_window_kernel", "transpose_reshape", True, x=x, attention_kernel=True)
 
 
 def test_gpt2_copy_kernel_without_the_fusion():
