@@ -17,8 +17,10 @@ copy kernel and the second tensor are gone. BLOOM's view round trip through [B*H
 token-major strides cannot take as a view) is dropped: the permute reads the kernel output itself.
 An explicit `.contiguous()` stays in the graph; on a contiguous tensor it is no op.
 
-In the backward nothing changes: the gradient of that view is already a strided view of the
-projection's input gradient, which the backward kernels read as it is (before and after).
+In the backward: GPT-2/Llama's form had no copy there (the gradient of transpose + reshape is a
+strided view of the projection's input gradient, which the backward kernels read as it is, before
+and after); BLOOM's had one, the gradient made contiguous for the [B*H, S, D] round-trip views,
+which goes with them (CPU evidence: benchmarks/probes/attention_out_proj.py --smoke kernel names).
 
 The projection GEMM itself stays a library GEMM: fusing it into the attention kernel would make
 each attention program compute all H heads of its tokens (one program per query block instead of
