@@ -18,6 +18,8 @@ FUSION_NAMES = (
     # before attention: a decode SDPA call is this fusion's, not a mask attention cannot prove
     "decode_attention",
     "attention",
+    # after attention: it sets the token-major output layout on the fusionpass::flash_attention
+    # calls attention made (patterns/attention_out_proj.py); nothing to configure, on when listed
     "attention_out_proj",
     "swiglu_mlp",
     "linear_cross_entropy",

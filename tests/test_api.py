@@ -492,12 +492,14 @@ def test_cli_explain_json(capsys):
 
 def test_cli_explain_bloom(capsys):
     # a tiny BLOOM (eager attention with ALiBi): its attention goes to the kernel, its residual
-    # LayerNorms fuse; the tiny vocabulary's loss is reported as left to Inductor
+    # LayerNorms fuse, its head merge reads the kernel's token-major output; the tiny vocabulary's
+    # loss is reported as left to Inductor
     pytest.importorskip("transformers")
     argv = ["explain", "--model", "bloom", "--train", "--width", "128", "--layers", "1", "--json", "--device", "cpu"]
     assert cli.main(argv) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["variants"] == {"attention/eager_alibi_kernel": 1, "layer_norm_dropout_residual/residual": 2}
+    assert data["variants"] == {"attention/eager_alibi_kernel": 1, "attention_out_proj/merge_heads": 1,
+                                "layer_norm_dropout_residual/residual": 2}
     assert [m["fusion"] for m in data["near_misses"]] == ["linear_cross_entropy"]
 
 

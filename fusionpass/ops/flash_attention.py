@@ -2,7 +2,7 @@
 custom ops (CPU), autograd.
 
     out, lse = flash_attention(q, k, v, key_padding, key_bias, scale, causal, window,
-                               align_bottom_right, dropout_p, seed)
+                               align_bottom_right, dropout_p, seed, token_major=False)
 
 q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (GQA/MQA: Hq % Hkv == 0, read without repeat), key_padding
 [B, Lk] bool (True = keep) or None, key_bias [B, Hq, Lk] float added to every query row's
@@ -10,6 +10,15 @@ scores (BLOOM's ALiBi tensor; no gradient) or None, window 0 = none (else key j 
 pos_i - window < j <= pos_i, with causal), align_bottom_right: pos_i = i + Lk - Lq (else i),
 dropout_p > 0 needs `seed` (a one-element int64 tensor). The math, the RNG and the rows that see
 no key (out 0, lse EMPTY_LSE) are those of fusionpass/kernels/attention.py.
+
+Output layout: `out` is [B, Hq, Lq, D]; contiguous by default, or with `token_major=True` laid out
+as a [B, Lq, Hq, D] buffer (strides (Lq*Hq*D, D, Hq*D, 1), what PyTorch's flash/cuDNN SDPA
+return), so that the `out.transpose(1, 2).reshape(B, Lq, Hq*D)` every HF model does before its
+output projection is a view instead of a copy kernel (fusionpass.patterns.attention_out_proj sets
+it). The fake impls report the same strides as the real ones (Inductor lays out the buffers from
+them). lse is [B, Hq, Lq] fp32 contiguous either way. The backward reads `out` and `dout` with
+any strides (the kernels take them), so a token-major `out` and the strided `dout` the backward of
+that view hands back need no copies; dq/dk/dv are laid out as before.
 
 On CUDA the kernels launch from Inductor's code (triton_op). On CPU the host custom ops run the
 same kernels under the Triton interpreter (TRITON_INTERPRET=1, the tests) or, without it, a torch
@@ -45,6 +54,14 @@ def _options(key_padding, key_bias, scale, causal, window, align_bottom_right, d
     )
 
 
+def token_major_empty(q: Tensor) -> Tensor:
+    """An uninitialized [B, Hq, Lq, D] tensor of q's dtype laid out as a [B, Lq, Hq, D] buffer: its
+    transpose(1, 2) is contiguous. One tensor with these strides, not a view of another (a view
+    would make the kernel's output a mutated view under functionalization)."""
+    B, Hq, Lq, D = q.shape
+    return q.new_empty_strided((B, Hq, Lq, D), (Lq * Hq * D, D, Hq * D, 1))
+
+
 def _check(q, k, v, dropout_p, seed, window, causal) -> None:
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
@@ -59,12 +76,14 @@ def _check(q, k, v, dropout_p, seed, window, causal) -> None:
 
 
 def _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed,
-                    blocks=None):
+                    token_major=False, blocks=None):
     from fusionpass.kernels.attention import attention_fwd
 
     opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     blocks = {k_: v_ for k_, v_ in (blocks or {}).items() if k_ in ("block_m", "block_n")}
-    return attention_fwd(q, k, v, **opts, **blocks)
+    # the kernel writes any [B, Hq, Lq, D] view: token-major output costs nothing extra
+    out = token_major_empty(q) if token_major else None
+    return attention_fwd(q, k, v, **opts, out=out, **blocks)
 
 
 def _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
@@ -121,11 +140,14 @@ def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bott
 
 def _reference_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
                         dropout_p, seed):
-    with torch.enable_grad():
-        q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
-        o, _ = _reference(q_, k_, v_, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p,
-                          seed)
-        return torch.autograd.grad(o, (q_, k_, v_), do)
+    # torch.func.vjp, not torch.autograd: this runs inside a custom op's implementation, below the
+    # autograd dispatch key, where enable_grad() records nothing
+    def forward(q_, k_, v_):
+        return _reference(q_, k_, v_, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p,
+                          seed)[0]
+
+    _, vjp = torch.func.vjp(forward, q, k, v)
+    return vjp(do.to(q.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,19 +158,21 @@ def _reference_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, cau
 def _forward_host(
     q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None, key_bias: Tensor | None, scale: float,
     causal: bool, window: int,
-    align_bottom_right: bool, dropout_p: float, seed: Tensor | None,
+    align_bottom_right: bool, dropout_p: float, seed: Tensor | None, token_major: bool = False,
 ) -> tuple[Tensor, Tensor]:
     args = (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     if host.interpreting():
-        out, lse = _kernel_forward(*args, blocks=CPU_BLOCKS)
+        out, lse = _kernel_forward(*args, token_major=token_major, blocks=CPU_BLOCKS)
     else:
         out, lse = _reference(*args)
-    return out.contiguous(), lse.contiguous()
+        out = token_major_empty(q).copy_(out) if token_major else out.contiguous()
+    return out, lse.contiguous()
 
 
 @_forward_host.register_fake
-def _(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed):
-    return host.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+def _(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed, token_major=False):
+    out = token_major_empty(q) if token_major else host.empty_like(q)
+    return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("fusionpass::flash_attention_backward_host", mutates_args=())
@@ -178,13 +202,13 @@ def _(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align
 def flash_attention(
     q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None, key_bias: Tensor | None, scale: float,
     causal: bool, window: int,
-    align_bottom_right: bool, dropout_p: float, seed: Tensor | None,
+    align_bottom_right: bool, dropout_p: float, seed: Tensor | None, token_major: bool = False,
 ) -> tuple[Tensor, Tensor]:
     _check(q, k, v, dropout_p, seed, window, causal)
     args = (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     if q.device.type != "cuda":
-        return _forward_host(*args)
-    return _kernel_forward(*args)
+        return _forward_host(*args, token_major)
+    return _kernel_forward(*args, token_major=token_major)
 
 
 @torch.library.triton_op("fusionpass::flash_attention_backward", mutates_args=())
@@ -200,7 +224,7 @@ def flash_attention_backward(
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed = inputs
+    q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed, _token_major = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_padding, key_bias, seed)
     ctx.flags = (scale, causal, window, align_bottom_right, dropout_p)
@@ -209,13 +233,14 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     if dout is None:
-        return (None,) * 11
+        return (None,) * 12
     q, k, v, out, lse, key_padding, key_bias, seed = ctx.saved_tensors
     scale, causal, window, align_bottom_right, dropout_p = ctx.flags
     dq, dk, dv = torch.ops.fusionpass.flash_attention_backward(
         dout, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    # out (saved) and dout may be token-major or otherwise strided: the kernels read their strides
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup)

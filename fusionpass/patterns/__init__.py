@@ -6,6 +6,7 @@ MODULES = (
     "fusionpass.patterns.rms_norm",
     "fusionpass.patterns.layer_norm",
     "fusionpass.patterns.attention",
+    "fusionpass.patterns.attention_out_proj",
     "fusionpass.patterns.decode_attention",
     "fusionpass.patterns.cross_entropy",
     "fusionpass.patterns.swiglu",

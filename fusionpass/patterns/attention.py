@@ -529,7 +529,8 @@ def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
     )
     out, _ = g.insert_getitems(graph, call, 2)
     if e is not None and g.tensor(node).dim() == 3:
-        # BLOOM's bmm gives [B*H, Lq, D]; the kernel's output is contiguous [B, H, Lq, D]
+        # BLOOM's bmm gives [B*H, Lq, D]; the kernel's output is contiguous [B, H, Lq, D] here
+        # (attention_out_proj may then make it token-major and drop this view with _merge_heads' own)
         with graph.inserting_after(out):
             flat = graph.call_method("view", (out, list(g.tensor(node).shape)))
         flat.meta.update(node.meta)
