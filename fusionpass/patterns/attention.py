@@ -10,7 +10,13 @@ Under torch.compile transformers 5.x passes every SDPA call a materialized boole
     so, the original masked call otherwise, so any padding stays exact. The check is a host sync,
     made once for the mask all layers share; it is not made under CUDA graphs. Opt-in
     (`Config.attention_runtime_check`): Inductor's cond lowering still fails on some graphs.
-Attention written in torch ops (BLOOM's baddbmm with ALiBi, GPT-2's matmuls; see
+SDPA whose float mask is a per-key bias where a proven boolean mask is true and min elsewhere
+(Falcon with ALiBi: `masked_fill(alibi / sqrt(d), where(m, 0, min) < -1, min)`; or
+`where(m, 0, min) + bias`) goes to fusionpass::flash_attention with that key_bias by default, with
+run-time key padding too (rows that see no key get SDPA's average of the values): SDPA has no fast
+kernel for a float mask. A bias with a query dimension, a mask that is not proven, mixed dtypes
+are near misses.
+Attention written in torch ops (BLOOM's baddbmm with ALiBi, MPT, Falcon, GPT-2's matmuls; see
 fusionpass.patterns.eager_attention) goes to fusionpass::flash_attention by default: it replaces
 S x S scores, softmax and probabilities (BLOOM-style 12L training 1.62x, GPT-2 eager 1.35x on the
 H200). With `Config.attention_kernel` (opt-in: against SDPA's own kernels it measured 1.10x on
@@ -506,6 +512,13 @@ def _padding_rows_reproducible(found, mk: masks.MaskKind, args: dict) -> None:
     lq, lk = g.tensor(args["query"]).shape[-2], g.tensor(args["key"]).shape[-2]
     if mk.kind == "sliding_window" or (mk.kind == "causal" and not statically_known_true(lq == lk)):
         raise NearMiss(f"SDPA mask with a bias: {mk.detail}, where the rows that see no key are not wired")
+    if _needs_grad(args) and g.static_int(lk) is None:
+        raise NearMiss("SDPA mask with a bias and run-time key padding: the gradient of the rows that see no "
+                       f"key needs a static key length, not {lk}")
+
+
+def _needs_grad(args: dict) -> bool:
+    return any(getattr(g.tensor(args[n]), "requires_grad", False) for n in ("query", "key"))
 
 
 def _average_empty_rows(graph: fx.Graph, out: fx.Node, b: dict, before: fx.Node) -> fx.Node:
@@ -521,11 +534,25 @@ def _average_empty_rows(graph: fx.Graph, out: fx.Node, b: dict, before: fx.Node)
     else:
         empty = call(torch.logical_not, call(torch.any, pad, -1, True))  # [B, 1]
     empty = call(operator.getitem, empty, (slice(None), None, slice(None), None))
-    mean = call(torch.mean, b["value"], -2, True)  # [B, Hkv, 1, D]
-    hq, hkv = (g.static_int(g.tensor(n).shape[1]) for n in (b["args"]["query"], b["value"]))
-    if hkv not in (1, hq):
-        mean = call(torch.repeat_interleave, mean, hq // hkv, 1)
-    return call(torch.where, empty, mean, out)
+    q, k, v = b["args"]["query"], b["key"], b["value"]
+    hq, hkv = (g.static_int(g.tensor(n).shape[1]) for n in (q, v))
+
+    def per_query_head(x):
+        return x if hkv in (1, hq) else call(torch.repeat_interleave, x, hq // hkv, 1)
+
+    average = per_query_head(call(torch.mean, v, -2, True))  # [B, Hq or 1, 1, D]
+    if _needs_grad(b["args"]):
+        # Autograd differentiates SDPA's softmax at those rows as if the fill were not there: the
+        # softmax Jacobian at uniform P, i.e. that of its linearization
+        #   mean(v) + scale / Lk * sum_j (q . (k_j - mean(k))) v_j     (v itself: weight 1 / Lk).
+        # Added as h - h.detach(): 0 in the forward, exactly that gradient for q and k.
+        scale = float(b["args"]["scale"]) if b["args"]["scale"] is not None else g.tensor(q).shape[-1] ** -0.5
+        lk = g.static_int(g.tensor(k).shape[-2])
+        centered = call(torch.sub, k, call(torch.mean, k, -2, True))
+        kv = call(torch.matmul, call(torch.transpose, centered, -1, -2), call(torch.Tensor.detach, v))
+        h = call(torch.matmul, q, per_query_head(call(torch.mul, kv, scale / lk)))  # [B, Hq, Lq, D]
+        average = call(torch.add, average, call(torch.sub, h, call(torch.Tensor.detach, h)))
+    return call(torch.where, empty, average, out)
 
 
 def _kernel_only(check):
@@ -648,8 +675,9 @@ ATTENTION = registry.register(
         name="attention",
         matches=(
             "eager-math attention (BLOOM's baddbmm of the ALiBi tensor, MPT's added ALiBi slice and "
-            "masked_fill, GPT-2's matmul / scale / "
-            "additive causal mask / softmax / dropout / matmul) -> fusionpass::flash_attention; "
+            "masked_fill, Falcon's ALiBi in scores and mask, GPT-2's matmul / scale / "
+            "additive causal mask / softmax / dropout / matmul) and SDPA whose float mask carries a per-key "
+            "(ALiBi) bias over a proven causal/all-true mask (+ key padding) -> fusionpass::flash_attention; "
             "F.scaled_dot_product_attention with a boolean mask built from index arithmetic "
             "(transformers' sdpa_mask): proven causal -> is_causal=True, proven all-true -> no mask; "
             "the same AND key padding -> that fast call when attention_mask is all true (one "
@@ -657,8 +685,8 @@ ATTENTION = registry.register(
             "grouped K/V (enable_gqa=True) instead of repeat_kv copies"
         ),
         selected_when=(
-            "always where the mask is proven (dropping a mask never slows SDPA down) and for "
-            "eager-math attention (our kernel instead of S x S tensors); sliding windows and "
+            "always where the mask is proven (dropping a mask never slows SDPA down), for "
+            "eager-math attention and for ALiBi-biased SDPA masks (our kernel instead of S x S tensors); sliding windows and "
             "run-time key padding in SDPA go to fusionpass::flash_attention only with "
             "attention_kernel=True (opt-in: 1.10x on Llama, 0.93x on BERT), else they are near "
             "misses, as are offset diagonals"

@@ -9,14 +9,18 @@ The forms, as real models write them (pre-grad graph, Dynamo's torch IR):
       out = bmm(dropout(p).view(B*H, Lq, Lk), v.reshape(B*H, Lk, D))
   MPT: w = matmul(q, k.transpose(-1, -2)) * scale + alibi[:, :, -Lk:]   alibi [H, 1, L]
       w = w.masked_fill(mask.to(bool), min);  p = softmax(w.float(), -1).to(dtype)   (mask additive)
+  Falcon (alibi=True): w = (matmul(q, k.transpose(-1, -2)) [.float()] + alibi.view(B, H, 1, L)) *= s
+      p = softmax(w + mask, -1)   mask = masked_fill(alibi / sqrt(d), where(m, 0, min) < -1, min)
+      (the bias counted twice, as the model computes it: key_bias = alibi * s + alibi / sqrt(d))
   GPT-2 / GPT-J / OPT / older HF code:
       w = matmul(q, k.transpose(-1, -2)) * scale (or / c);  w = w + mask;  p = softmax(w, -1)
       out = matmul(dropout(p.type(v.dtype)), v)                        (k, v maybe repeat_kv copies)
 The mask is transformers' additive one, `torch.where(bool_mask, 0.0, very negative)`; its boolean
 mask is classified by fusionpass.patterns.masks like SDPA's. ALiBi given as a [B*H, 1, Lk] tensor
 is a per-key bias (the same for every query row): the kernel adds it as given (key_bias), so no
-proof about how it was built is needed; so is MPT's [H, 1, Lk] slice of its ALiBi tensor. (Falcon
-with ALiBi folds the bias into a masked_fill-built mask: not matched.)
+proof about how it was built is needed; so is MPT's [H, 1, Lk] slice of its ALiBi tensor, and
+Falcon's [B, H, 1, Lk] one, in its scores and in its mask (`biased_mask`, also read by the SDPA
+route of fusionpass.patterns.attention).
 
 Not matched (left to Inductor), each with its reason: a chain node read by anything else (the
 probabilities returned with output_attentions, a score hook), a bias that needs a gradient or is
