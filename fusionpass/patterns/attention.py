@@ -10,7 +10,13 @@ Under torch.compile transformers 5.x passes every SDPA call a materialized boole
     so, the original masked call otherwise, so any padding stays exact. The check is a host sync,
     made once for the mask all layers share; it is not made under CUDA graphs. Opt-in
     (`Config.attention_runtime_check`): Inductor's cond lowering still fails on some graphs.
-Attention written in torch ops (BLOOM's baddbmm with ALiBi, GPT-2's matmuls; see
+SDPA whose float mask is a per-key bias where a proven boolean mask is true and min elsewhere
+(Falcon with ALiBi: `masked_fill(alibi / sqrt(d), where(m, 0, min) < -1, min)`; or
+`where(m, 0, min) + bias`) goes to fusionpass::flash_attention with that key_bias by default, with
+run-time key padding too (rows that see no key get SDPA's average of the values): SDPA has no fast
+kernel for a float mask. A bias with a query dimension, a mask that is not proven, mixed dtypes
+are near misses.
+Attention written in torch ops (BLOOM's baddbmm with ALiBi, MPT, Falcon, GPT-2's matmuls; see
 fusionpass.patterns.eager_attention) goes to fusionpass::flash_attention by default: it replaces
 S x S scores, softmax and probabilities (BLOOM-style 12L training 1.62x, GPT-2 eager 1.35x on the
 H200). With `Config.attention_kernel` (opt-in: against SDPA's own kernels it measured 1.10x on
@@ -428,7 +434,8 @@ def _eager_search(node: fx.Node) -> Match | None:
             raise NearMiss(f"{mk.detail} without a causal bound: the kernel's window needs one")
         kind, shift, window = mk.kind, mk.shift, mk.window
         mask_nodes = [*e.mask_nodes, *mk.nodes]
-    if e.key_bias is not None:
+    biased = e.key_bias is not None or e.mask_bias is not None
+    if biased:
         why = eager.check_key_bias(e, args["query"], args["key"])
         if why is not None:
             raise NearMiss(why)
@@ -436,13 +443,116 @@ def _eager_search(node: fx.Node) -> Match | None:
     grouped = _grouped_kv(args)
     if grouped is not None:
         key, value, _ = grouped
+    variant = "eager_alibi_mask_kernel" if e.mask_bias is not None else (
+        "eager_alibi_kernel" if biased else "eager_kernel")
     return Match(
-        variant="eager_alibi_kernel" if e.key_bias is not None else "eager_kernel",
+        variant=variant,
         anchor=node,
         nodes=list(e.nodes),
         bindings=dict(args=args, mask=e.mask, mask_nodes=mask_nodes, padding=(), kind=kind, route="kernel",
                       key=key, value=value, key_padding=None, shift=shift, window=window, eager=e),
     )
+
+
+def _alibi_mask_search(node: fx.Node) -> Match | None:
+    """SDPA whose float mask is a per-key bias where a proven boolean mask is true and very
+    negative elsewhere (Falcon's `masked_fill(alibi / sqrt(d), where(m, 0, min) < -1, min)`, or
+    `where(m, 0, min) + bias`) -> fusionpass::flash_attention with key_bias, causal and key
+    padding from m. On by default: SDPA has no fast kernel for a float mask (it runs its
+    memory-efficient or math kernel and reads the [B, H, Lq, Lk] bias)."""
+    args = sdpa_arguments(node)
+    mask = args["attn_mask"]
+    if not isinstance(mask, fx.Node) or args["is_causal"] is not False or not eager._float_node(mask):
+        return None
+    found = eager.biased_mask(mask)
+    if found is None:
+        return None
+    q = args["query"]
+    why = eager.per_key_problem(found.bias, q, args["key"])
+    if why is not None:
+        raise NearMiss(f"SDPA mask with a bias: {why}")
+    dtypes = {g.dtype(n) for n in (q, mask, found.bias)}
+    if len(dtypes) != 1:
+        raise NearMiss(f"SDPA mask with a bias: query, mask and bias dtypes {sorted(map(str, dtypes))} differ")
+    mk = masks.classify(found.visible)
+    if mk.kind not in ("causal", "none", "sliding_window"):
+        raise NearMiss(f"SDPA mask with a bias: the boolean mask under it is not provable ({mk.detail})")
+    if mk.kind == "sliding_window" and (mk.window is None or mk.window < 1):
+        raise NearMiss(f"{mk.detail} without a causal bound: the kernel's window needs one")
+    key_padding = None
+    if mk.runtime:
+        _padding_rows_reproducible(found, mk, args)
+        key_padding = _key_padding_vector(mk, found.visible, args)
+    key, value = args["key"], args["value"]
+    grouped = _grouped_kv(args)
+    if grouped is not None:
+        key, value, _ = grouped
+    return Match(
+        variant="alibi_mask_kernel" + ("_padded" if mk.runtime else ""),
+        anchor=node,
+        nodes=[node],
+        bindings=dict(args=args, mask=found.visible, mask_nodes=[*found.nodes, *mk.nodes], padding=(),
+                      kind=mk.kind, route="kernel", key=key, value=value, key_padding=key_padding,
+                      shift=mk.shift, window=mk.window, key_bias=found.bias, empty_rows=bool(mk.runtime)),
+    )
+
+
+def _padding_rows_reproducible(found, mk: masks.MaskKind, args: dict) -> None:
+    """With run-time key padding a query row may see no key (left padding). Under the float mask
+    its scores are all the fill, so SDPA averages every value; the kernel gives 0. The replacement
+    writes that average into those rows (`_average_empty_rows`), which is exact only where the
+    fill absorbs the scores (fp32/bf16's min, not fp16's -65504) and the rows that see no key
+    are known: causal top-left with Lq == Lk (row i: no kept key <= i) or no causal bound (no
+    kept key at all)."""
+    if found.fill > eager.ABSORBING_FILL:
+        raise NearMiss(
+            f"SDPA mask with a bias and run-time key padding, fill {found.fill:g}: a query row that sees no "
+            "key gets softmax(scores + fill) from SDPA, not reproducible by the kernel"
+        )
+    lq, lk = g.tensor(args["query"]).shape[-2], g.tensor(args["key"]).shape[-2]
+    if mk.kind == "sliding_window" or (mk.kind == "causal" and not statically_known_true(lq == lk)):
+        raise NearMiss(f"SDPA mask with a bias: {mk.detail}, where the rows that see no key are not wired")
+    if _needs_grad(args) and g.static_int(lk) is None:
+        raise NearMiss("SDPA mask with a bias and run-time key padding: the gradient of the rows that see no "
+                       f"key needs a static key length, not {lk}")
+
+
+def _needs_grad(args: dict) -> bool:
+    return any(getattr(g.tensor(args[n]), "requires_grad", False) for n in ("query", "key"))
+
+
+def _average_empty_rows(graph: fx.Graph, out: fx.Node, b: dict, before: fx.Node) -> fx.Node:
+    """out, with the rows that see no key replaced by the mean of every value (what SDPA computes
+    there under a float mask whose fill absorbs the scores; the kernel leaves 0). Causal: row i is
+    empty iff no key <= i is kept; otherwise iff no key is kept."""
+    def call(target, *args):
+        return g.insert_call(graph, before, target, args, before)
+
+    pad = b["key_padding"]  # [B, Lk] bool
+    if b["kind"] == "causal":
+        empty = call(torch.eq, call(torch.cumsum, pad, -1), 0)  # [B, Lq], Lq == Lk
+    else:
+        empty = call(torch.logical_not, call(torch.any, pad, -1, True))  # [B, 1]
+    empty = call(operator.getitem, empty, (slice(None), None, slice(None), None))
+    q, k, v = b["args"]["query"], b["key"], b["value"]
+    hq, hkv = (g.static_int(g.tensor(n).shape[1]) for n in (q, v))
+
+    def per_query_head(x):
+        return x if hkv in (1, hq) else call(torch.repeat_interleave, x, hq // hkv, 1)
+
+    average = per_query_head(call(torch.mean, v, -2, True))  # [B, Hq or 1, 1, D]
+    if _needs_grad(b["args"]):
+        # Autograd differentiates SDPA's softmax at those rows as if the fill were not there: the
+        # softmax Jacobian at uniform P, i.e. that of its linearization
+        #   mean(v) + scale / Lk * sum_j (q . (k_j - mean(k))) v_j     (v itself: weight 1 / Lk).
+        # Added as h - h.detach(): 0 in the forward, exactly that gradient for q and k.
+        scale = float(b["args"]["scale"]) if b["args"]["scale"] is not None else g.tensor(q).shape[-1] ** -0.5
+        lk = g.static_int(g.tensor(k).shape[-2])
+        centered = call(torch.sub, k, call(torch.mean, k, -2, True))
+        kv = call(torch.matmul, call(torch.transpose, centered, -1, -2), call(torch.Tensor.detach, v))
+        h = call(torch.matmul, q, per_query_head(call(torch.mul, kv, scale / lk)))  # [B, Hq, Lq, D]
+        average = call(torch.add, average, call(torch.sub, h, call(torch.Tensor.detach, h)))
+    return call(torch.where, empty, average, out)
 
 
 def _kernel_only(check):
@@ -518,7 +628,12 @@ def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
         seed = _insert_seed(graph, node, q)
     causal = b["kind"] != "none"
     e = b.get("eager")
-    key_bias = eager.insert_key_bias(graph, e, q, node) if e is not None and e.key_bias is not None else None
+    if e is not None and (e.key_bias is not None or e.mask_bias is not None):
+        key_bias = eager.insert_key_bias(graph, e, q, node)
+    elif b.get("key_bias") is not None:
+        key_bias = eager.insert_per_key(graph, b["key_bias"], node)
+    else:
+        key_bias = None
     call = g.insert_call(
         graph,
         node,
@@ -528,6 +643,8 @@ def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
         node,
     )
     out, _ = g.insert_getitems(graph, call, 2)
+    if b.get("empty_rows"):
+        out = _average_empty_rows(graph, out, b, node)
     if e is not None and g.tensor(node).dim() == 3:
         # BLOOM's bmm gives [B*H, Lq, D]; the kernel's output is contiguous [B, H, Lq, D] here
         # (attention_out_proj may then make it token-major and drop this view with _merge_heads' own)
@@ -559,8 +676,9 @@ ATTENTION = registry.register(
         name="attention",
         matches=(
             "eager-math attention (BLOOM's baddbmm of the ALiBi tensor, MPT's added ALiBi slice and "
-            "masked_fill, GPT-2's matmul / scale / "
-            "additive causal mask / softmax / dropout / matmul) -> fusionpass::flash_attention; "
+            "masked_fill, Falcon's ALiBi in scores and mask, GPT-2's matmul / scale / "
+            "additive causal mask / softmax / dropout / matmul) and SDPA whose float mask carries a per-key "
+            "(ALiBi) bias over a proven causal/all-true mask (+ key padding) -> fusionpass::flash_attention; "
             "F.scaled_dot_product_attention with a boolean mask built from index arithmetic "
             "(transformers' sdpa_mask): proven causal -> is_causal=True, proven all-true -> no mask; "
             "the same AND key padding -> that fast call when attention_mask is all true (one "
@@ -568,8 +686,8 @@ ATTENTION = registry.register(
             "grouped K/V (enable_gqa=True) instead of repeat_kv copies"
         ),
         selected_when=(
-            "always where the mask is proven (dropping a mask never slows SDPA down) and for "
-            "eager-math attention (our kernel instead of S x S tensors); sliding windows and "
+            "always where the mask is proven (dropping a mask never slows SDPA down), for "
+            "eager-math attention and for ALiBi-biased SDPA masks (our kernel instead of S x S tensors); sliding windows and "
             "run-time key padding in SDPA go to fusionpass::flash_attention only with "
             "attention_kernel=True (opt-in: 1.10x on Llama, 0.93x on BERT), else they are near "
             "misses, as are offset diagonals"
@@ -578,6 +696,8 @@ ATTENTION = registry.register(
         or eager.is_anchor(node),
         variants=(
             Variant("eager_kernel", _eager_search),
+            # before the SDPA mask variants, which call any float mask a near miss
+            Variant("alibi_mask_kernel", _alibi_mask_search),
             Variant("sliding_window_kernel", _kernel_search("sliding_window", False), when=_kernel_on),
             Variant("sliding_window_kernel_padded", _kernel_search("sliding_window", True), when=_kernel_on),
             Variant("causal_kernel_padded", _kernel_search("causal", True), when=_kernel_on),

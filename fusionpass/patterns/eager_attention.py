@@ -9,14 +9,18 @@ The forms, as real models write them (pre-grad graph, Dynamo's torch IR):
       out = bmm(dropout(p).view(B*H, Lq, Lk), v.reshape(B*H, Lk, D))
   MPT: w = matmul(q, k.transpose(-1, -2)) * scale + alibi[:, :, -Lk:]   alibi [H, 1, L]
       w = w.masked_fill(mask.to(bool), min);  p = softmax(w.float(), -1).to(dtype)   (mask additive)
+  Falcon (alibi=True): w = (matmul(q, k.transpose(-1, -2)) [.float()] + alibi.view(B, H, 1, L)) *= s
+      p = softmax(w + mask, -1)   mask = masked_fill(alibi / sqrt(d), where(m, 0, min) < -1, min)
+      (the bias counted twice, as the model computes it: key_bias = alibi * s + alibi / sqrt(d))
   GPT-2 / GPT-J / OPT / older HF code:
       w = matmul(q, k.transpose(-1, -2)) * scale (or / c);  w = w + mask;  p = softmax(w, -1)
       out = matmul(dropout(p.type(v.dtype)), v)                        (k, v maybe repeat_kv copies)
 The mask is transformers' additive one, `torch.where(bool_mask, 0.0, very negative)`; its boolean
 mask is classified by fusionpass.patterns.masks like SDPA's. ALiBi given as a [B*H, 1, Lk] tensor
 is a per-key bias (the same for every query row): the kernel adds it as given (key_bias), so no
-proof about how it was built is needed; so is MPT's [H, 1, Lk] slice of its ALiBi tensor. (Falcon
-with ALiBi folds the bias into a masked_fill-built mask: not matched.)
+proof about how it was built is needed; so is MPT's [H, 1, Lk] slice of its ALiBi tensor, and
+Falcon's [B, H, 1, Lk] one, in its scores and in its mask (`biased_mask`, also read by the SDPA
+route of fusionpass.patterns.attention).
 
 Not matched (left to Inductor), each with its reason: a chain node read by anything else (the
 probabilities returned with output_attentions, a score hook), a bias that needs a gradient or is
@@ -31,6 +35,7 @@ torch.compile rounds as the model does.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -121,6 +126,10 @@ class Eager:
         self.mask_nodes: list[fx.Node] = []
         self.dropout_p = 0.0
         self.scale = 1.0
+        # Falcon adds its ALiBi tensor before the scale (`(q k^T + alibi) * s`): key_bias counts
+        # key_bias_scale times; its mask carries a second per-key bias (mask_bias, added once)
+        self.key_bias_scale = 1.0
+        self.mask_bias: fx.Node | None = None
 
 
 def _single_use(node: fx.Node, user: fx.Node) -> None:
@@ -132,6 +141,10 @@ def _scale_of(node: fx.Node) -> tuple[fx.Node, float] | None:
     """(scores, c) for `scores * c`, `c * scores` or `scores / c` with a constant c (a literal or a
     `torch.full([], c)`), else None."""
     kind = g.op(node)
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in (operator.imul, operator.itruediv):
+        # `w *= c` on a fresh product is `w * c` when nothing else reads w (the caller's
+        # single-use check of w's producer)
+        kind = "mul" if node.target is operator.imul else "div"
     if kind not in ("mul", "div"):
         return None
     pairs = g.commuted(node) if kind == "mul" else [g.binary_operands(node) or (None, None)]
@@ -142,6 +155,16 @@ def _scale_of(node: fx.Node) -> tuple[fx.Node, float] | None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0 and isinstance(x, fx.Node):
             return x, (float(value) if kind == "mul" else 1.0 / float(value))
     return None
+
+
+def _number(x):
+    """A literal, `torch.tensor(c)` or `torch.full((), c)` (transformers' zero of the additive mask)
+    as a Python number, else None."""
+    if _is_call(x, (torch.tensor,)) and len(x.args) == 1 and isinstance(x.args[0], (int, float)):
+        return x.args[0]
+    if _is_call(x, (torch.full,)) and len(x.args) == 2 and x.args[0] in ((), []):
+        x = x.args[1]
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 def _additive_mask(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
@@ -156,12 +179,7 @@ def _additive_mask(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     if g.dtype(cond) != torch.bool:
         return None
 
-    def number(x):
-        if _is_call(x, (torch.tensor,)) and len(x.args) == 1 and isinstance(x.args[0], (int, float)):
-            return x.args[0]
-        return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
-
-    if number(keep) != 0 or number(fill) is None or number(fill) > _MASK_FILL_MAX:
+    if _number(keep) != 0 or _number(fill) is None or _number(fill) > _MASK_FILL_MAX:
         return None
     extra = [keep] if isinstance(keep, fx.Node) else []
     return cond, [*nodes, node, *extra]
@@ -191,6 +209,103 @@ def _per_key(node: fx.Node) -> bool:
     return t is not None and t.dim() in (3, 4) and t.shape[-2] == 1
 
 
+_LESS = (operator.lt, torch.lt, "lt", "__lt__")
+_NOTS = (operator.invert, torch.logical_not, torch.bitwise_not, "logical_not", "bitwise_not", "__invert__")
+# a fill this negative absorbs any score added to it (|score| far below its ulp, ~2e31 at fp32's
+# min): a query row that sees no key then has equal scores everywhere
+ABSORBING_FILL = -1e30
+
+
+@dataclasses.dataclass
+class BiasedMask:
+    """A float attention mask that carries a bias: `bias` where `visible` is true, about `fill`
+    elsewhere (Falcon folds its ALiBi tensor into the mask this way)."""
+
+    bias: fx.Node
+    visible: fx.Node  # the boolean mask under it, True = attend
+    nodes: list[fx.Node]  # the mask's own nodes (not the bias's), for erasing
+    fill: float
+
+
+def _additive_fill(node: fx.Node) -> float | None:
+    """The fill of transformers' additive mask `where(m, 0, fill)` (maybe cast)."""
+    while g.cast_source(node) is not None:
+        node = g.cast_source(node)
+    return _number(node.args[2])
+
+
+def _masked_positions(cond) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(m, nodes) when `cond` is True exactly where the boolean mask m is False:
+    `where(m, 0, fill) < c` with fill < c <= 0 (Falcon), `where(m, 0, fill).to(bool)` (MPT's
+    spelling), `~m` / `logical_not(m)`."""
+    if _is_call(cond, _NOTS) and len(cond.args) == 1 and g.dtype(cond.args[0]) == torch.bool:
+        return cond.args[0], [cond]
+    if _is_call(cond, _LESS) and len(cond.args) == 2 and not cond.kwargs and isinstance(cond.args[0], fx.Node):
+        found, c = _additive_mask(cond.args[0]), _number(cond.args[1])
+        # 0 (visible) is not below c, the fill is: the comparison is exactly `not m`
+        if found is not None and c is not None and _additive_fill(cond.args[0]) < c <= 0:
+            return found[0], [cond, *found[1]]
+        return None
+    if _is_call(cond, ("to",)) and g.dtype(cond) == torch.bool and len(cond.args) == 2 and not cond.kwargs:
+        found = _additive_mask(cond.args[0]) if isinstance(cond.args[0], fx.Node) else None
+        if found is not None:  # 0 -> False, the (nonzero) fill -> True
+            return found[0], [cond, *found[1]]
+    return None
+
+
+def _float_node(x) -> bool:
+    t = g.tensor(x)
+    return t is not None and t.is_floating_point()
+
+
+def biased_mask(node) -> BiasedMask | None:
+    """A float mask that is a bias where a boolean mask is true and very negative elsewhere:
+    Falcon's `masked_fill(alibi / sqrt(d), where(m, 0, min) < -1, min)`, or transformers'
+    additive mask plus a bias, `where(m, 0, fill) + bias`. The bias is any float tensor here;
+    callers check it is per key."""
+    if _is_call(node, ("masked_fill", torch.masked_fill)) and len(node.args) == 3 and not node.kwargs:
+        bias, cond, fill = node.args
+        fill = _number(fill)
+        found = _masked_positions(cond)
+        if fill is None or fill > _MASK_FILL_MAX or not _float_node(bias) or found is None:
+            return None
+        return BiasedMask(bias, found[0], [node, *found[1]], float(fill))
+    if g.op(node) == "add":
+        for a, b in g.commuted(node):
+            found = _additive_mask(a) if isinstance(a, fx.Node) else None
+            if found is not None and _float_node(b):
+                return BiasedMask(b, found[0], [node, *found[1]], float(_additive_fill(a)))
+    return None
+
+
+def per_key_problem(bias: fx.Node, q: fx.Node, k: fx.Node) -> str | None:
+    """Why `bias` is not a per-key bias the kernel can add for q [B, Hq, Lq, D], k [.., Lk, D]:
+    it must be float, need no gradient and have shape [H', 1, Lk] or [B', H', 1, Lk] with B' in
+    (1, B), H' in (1, Hq): one value per key, the same for every query row."""
+    t = g.tensor(bias)
+    if t is None or not t.is_floating_point():
+        return "the bias is not a float tensor"
+    if t.requires_grad:
+        return "the bias requires grad (the kernel computes no gradient for it)"
+    qs, lk = g.tensor(q).shape, g.tensor(k).shape[-2]
+    shape = tuple(t.shape)
+    if len(shape) not in (3, 4) or not _same(shape[-1:], (lk,)):
+        return f"bias of shape {shape}, not [.., H, 1, {lk}]"
+    if shape[-2] != 1:
+        return f"bias of shape {shape} has a query dimension: not provably the same for every query row"
+    lead_ok = all(d == 1 or _same((d,), (full,)) for d, full in zip(shape[:-2][::-1], (qs[1], qs[0])))
+    return None if lead_ok else f"bias of shape {shape} does not broadcast as [B, Hq, 1, Lk]"
+
+
+def insert_per_key(graph: fx.Graph, bias: fx.Node, before: fx.Node) -> fx.Node:
+    """A [.., H, 1, Lk] bias as the kernel's [B or 1, H or 1, Lk]: the query axis selected away
+    (and a leading 1 added to a 3-d one)."""
+    out = g.insert_call(graph, before, torch.select, (bias, -2, 0), before)
+    if g.tensor(out).dim() == 2:
+        out = g.insert_call(graph, before, torch.unsqueeze, (out, 0), before)
+    return out
+
+
 def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
     """Read the eager attention ending at `anchor` (probs @ v). Returns (Eager, SDPA-like args), None
     when it is not one, NearMiss when it is one this route cannot take."""
@@ -208,13 +323,18 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
         if len(_shape(probs) or ()) != 4:
             return None
         v = v4
+    elif _is_call(probs, _VIEWS) and _same(_shape(g.first_arg(probs)), _shape(probs) or ()):
+        # Falcon views the probabilities as the shape they already have
+        _single_use(probs, anchor)
+        e.nodes.append(probs)
+        probs = g.first_arg(probs)
     if len(_shape(probs) or ()) != 4 or len(_shape(v) or ()) != 4:
         return None
 
     from fusionpass.patterns.layer_norm import _dropout
 
     # dropout (active or not), then casts, then the softmax
-    node, user = probs, anchor if not folded else e.nodes[-1]
+    node, user = probs, e.nodes[-1]
     d = _dropout(node)
     if d is not None:
         _single_use(node, user)
@@ -260,6 +380,10 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
             if found is not None:
                 e.mask, e.mask_nodes = found
                 break
+            biased = biased_mask(b) if e.mask is None else None
+            if biased is not None:  # Falcon: the mask carries ALiBi / sqrt(d)
+                e.mask, e.mask_nodes, e.mask_bias = biased.visible, biased.nodes, biased.bias
+                break
             if e.key_bias is None and _per_key(b):
                 e.key_bias = b
                 break
@@ -299,6 +423,24 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
             e.nodes.append(node)
             user, node = node, scaled[0]
             e.scale = scaled[1]
+            # Falcon: (q k^T + alibi) * s, the per-key bias scaled with the scores
+            pair = next(((a, b) for a, b in g.commuted(node) if isinstance(b, fx.Node) and _per_key(b)), None)
+            if g.op(node) == "add" and pair is not None:
+                if e.key_bias is not None:
+                    raise NearMiss("two per-key biases added to the scores")
+                _single_use(node, user)
+                e.nodes.append(node)
+                e.key_bias, e.key_bias_scale = pair[1], e.scale
+                user, node = node, pair[0]
+        # Falcon views the scores as the shape they already have, and upcasts bf16/fp16 ones
+        if _is_call(node, _VIEWS) and _same(_shape(g.first_arg(node)), _shape(node) or ()):
+            _single_use(node, user)
+            e.nodes.append(node)
+            user, node = node, g.first_arg(node)
+        while g.cast_source(node) is not None:
+            _single_use(node, user)
+            e.nodes.append(node)
+            user, node = node, g.cast_source(node)
         if not _is_call(node, _MATMULS) or len(node.args) != 2:
             return None
         q, kt = node.args
@@ -323,7 +465,12 @@ def _folded(e: Eager, q: fx.Node) -> bool:
 
 def check_key_bias(e: Eager, q: fx.Node, k: fx.Node) -> str | None:
     """The bias is per key, the same for every query row: BLOOM's [B*H, 1, Lk] or a broadcast
-    [H, 1, Lk] / [1 or B, H, 1, Lk] (MPT); float, and needs no gradient."""
+    [H, 1, Lk] / [1 or B, H, 1, Lk] (MPT, Falcon); float, and needs no gradient. So is the bias
+    Falcon's mask carries."""
+    if e.mask_bias is not None and (why := per_key_problem(e.mask_bias, q, k)) is not None:
+        return f"the mask's {why}"
+    if e.key_bias is None:
+        return None
     t = g.tensor(e.key_bias)
     qs, ks = g.tensor(q).shape, g.tensor(k).shape
     if t is None or not t.is_floating_point():
@@ -343,15 +490,23 @@ def check_key_bias(e: Eager, q: fx.Node, k: fx.Node) -> str | None:
 
 def insert_key_bias(graph: fx.Graph, e: Eager, q: fx.Node, before: fx.Node) -> fx.Node:
     """The bias as the kernel's [B or 1, H, Lk]: a view of BLOOM's [B*H, 1, Lk], or the query axis
-    of a [.., H, 1, Lk] bias selected away (and a leading 1 added to a 3-d one)."""
-    b, h = g.tensor(q).shape[:2]
-    lk = g.tensor(e.key_bias).shape[-1]
-    if _folded(e, q):
+    of a [.., H, 1, Lk] bias selected away (and a leading 1 added to a 3-d one).
+    Falcon's two biases become one, in fp32 like its scores: key_bias * key_bias_scale +
+    mask_bias."""
+    if e.key_bias is not None and _folded(e, q):
+        b, h = g.tensor(q).shape[:2]
+        lk = g.tensor(e.key_bias).shape[-1]
         return g.insert_call(graph, before, torch.Tensor.view, (e.key_bias, [b, h, lk]), before)
-    bias = g.insert_call(graph, before, torch.select, (e.key_bias, -2, 0), before)
-    if g.tensor(bias).dim() == 2:
-        bias = g.insert_call(graph, before, torch.unsqueeze, (bias, 0), before)
-    return bias
+    if e.mask_bias is None and e.key_bias_scale == 1.0:
+        return insert_per_key(graph, e.key_bias, before)
+    terms = []
+    if e.key_bias is not None:
+        bias = g.insert_call(graph, before, torch.Tensor.float, (insert_per_key(graph, e.key_bias, before),), before)
+        terms.append(g.insert_call(graph, before, torch.mul, (bias, e.key_bias_scale), before))
+    if e.mask_bias is not None:
+        terms.append(g.insert_call(graph, before, torch.Tensor.float, (insert_per_key(graph, e.mask_bias, before),),
+                                   before))
+    return terms[0] if len(terms) == 1 else g.insert_call(graph, before, torch.add, tuple(terms), before)
 
 
 def classify_mask(e: Eager) -> masks.MaskKind | None:
