@@ -77,24 +77,20 @@ def test_falcon_sdpa_alibi_left_padded():
 
 
 def test_falcon_sdpa_alibi_left_padded_training():
-    """With left padding the reference gradients themselves disagree: eager and plain
-    torch.compile differ by ~1e-2 (CPU; rows that see no key under a min-filled float mask), more
-    than the fp32 tolerance. The fused model's worst gradient (relative to its scale) must be no
-    further from plain torch.compile than eager's worst, and its outputs must agree."""
+    """With left padding in training, query rows that see no key get a gradient for q and k from
+    SDPA (that of a uniform softmax) that the kernel does not reproduce: a near miss, and the
+    model runs as plain torch.compile does."""
     model = falcon("sdpa", multi_query=True).train()
     x = ids()
     kwargs = {"use_cache": False, "attention_mask": left_padded(), "labels": x}
     got, stats = compile_and_count(model, x, fusions=[FUSION], train=True, kwargs=kwargs)
-    assert near_misses() == [] and stats == {(FUSION, "alibi_mask_kernel_padded"): 2}
+    assert stats == {}
+    reasons = {r for _, _, r in near_misses()}
+    assert reasons == {"SDPA mask with a bias and run-time key padding in training: the gradient SDPA gives "
+                       "q and k at query rows that see no key is not reproduced by the kernel"}, reasons
     with compiling():
         want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), True, kwargs=kwargs)
-    ref = run(model, model, (x,), True, kwargs=kwargs)
-    torch.testing.assert_close(got.outputs, want.outputs, rtol=2e-4, atol=2e-4)
-
-    def worst(outcome):
-        return max(((outcome.grads[n] - w).abs().max() / w.abs().max()).item() for n, w in want.grads.items())
-
-    assert worst(got) <= 1.5 * worst(ref), (worst(got), worst(ref))
+    assert_outcomes_close(got, want, rtol=2e-4)
 
 
 @pytest.mark.parametrize("train", [True, False])
