@@ -1,14 +1,15 @@
 """Whole-model benchmarks on the GPU: HF models built from configs (random weights), plain
 torch.compile against fusionpass, side by side (interleaved) in one process.
 
-    python benchmarks/models.py [--model llama|gpt2|bert|bloom] [--layers 8] [--batch 4] [--seq 2048]
+    python benchmarks/models.py [--model llama|gpt2|bert|bloom|falcon] [--layers 8] [--batch 4] [--seq 2048]
                                 [--mask] [--attn sdpa|eager] [--eager] [--steps train,inference]
                                 [--fusions ...]
                                 [--json out.json]
 
 llama: h2048, GQA 16/4, head_dim 128, intermediate 8192 (ANCHORS.md's config); gpt2: GPT-2 small
 with `loss_type="ForCausalLM"` (else its loss lands in a second graph); bert: BERT-base MLM;
-bloom: BLOOM-style h1024 with 16 heads (ALiBi; transformers has only eager attention for it).
+bloom: BLOOM-style h1024 with 16 heads (ALiBi; transformers has only eager attention for it);
+falcon: Falcon with `alibi=True` at the same size (sdpa: ALiBi folded into the mask; or eager).
 `--mask` passes an all-ones attention_mask, as training loops do.
 
 Reports, for a training step (forward + loss + backward) and an inference forward: milliseconds,
@@ -77,6 +78,19 @@ def build_bloom(layers: int):
     return transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.bfloat16)
 
 
+def build_falcon(layers: int, attn: str = "sdpa"):
+    import transformers
+
+    # Falcon-ALiBi at BLOOM-style size: h1024, 16 heads (head dim 64), ALiBi folded into the
+    # SDPA mask (sdpa) or added to the scores (eager)
+    config = transformers.FalconConfig(hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16,
+                                       alibi=True, new_decoder_architecture=False, multi_query=False,
+                                       parallel_attn=False, bias=True)
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.bfloat16)
+
+
 def build_bert(attn: str = "sdpa"):
     import transformers
 
@@ -128,6 +142,9 @@ def run(args) -> list[dict]:
     elif args.model == "bloom":
         base = build_bloom(args.layers)
         name = f"bloom-style {args.layers}L h1024"
+    elif args.model == "falcon":
+        base = build_falcon(args.layers, args.attn)
+        name = f"falcon-alibi {args.layers}L h1024 attn={args.attn}"
     else:
         base = build_gpt2(args.attn) if args.model == "gpt2" else build_bert(args.attn)
         name = {"gpt2": "gpt2-small", "bert": "bert-base MLM"}[args.model]
@@ -193,7 +210,7 @@ def run(args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="llama", choices=["llama", "gpt2", "bert", "bloom"])
+    parser.add_argument("--model", default="llama", choices=["llama", "gpt2", "bert", "bloom", "falcon"])
     parser.add_argument("--mask", action="store_true", help="pass an all-ones attention_mask")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="gpt2/bert attention")
     parser.add_argument("--eager", action="store_true", help="also time eager PyTorch")
