@@ -113,9 +113,12 @@ _RNG16_GROUP = 8
 # (128, 64, 8, 3) 1.25 ms (ties (64, 64, 4, 3); 4 warps at BLOCK_M 128 is 1.6x slower); dK/dV
 # (64, 128, 8, 2) 3.1 vs 3.6 ms for (32, 128, 8, 2); dQ (128, 64, 8, 3) 1.4 vs 2.5 ms for
 # (128, 32, 8, 2). D=64 and D=256 are scaled from those, not measured.
-_FWD_CFG = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)}
+# Head dim 64 from an H200 sweep at BERT, GPT-2 and BLOOM shapes (benchmarks/probes/
+# attention_d64_launches.py): (64, 64, 4, 3) forward and (64, 32, 4, 3) dQ were within 7% of the
+# best launch at all three, the old 128-row launches up to 47% slower (BLOOM's forward).
+_FWD_CFG = {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)}
 _DKDV_CFG = {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (16, 64, 8, 2)}
-_DQ_CFG = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
+_DQ_CFG = {64: (64, 32, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
 _PRE_BLOCK_M = 64
 
 
