@@ -75,7 +75,7 @@ class Config:
     # torch.compile (0.95x, 0.89x with layer_norm_dropout_residual also on).
     linear_cross_entropy_min_vocab: int = 100_000
     # rope: route q/k rotary embeddings to fusionpass::rope (one launch for q and k). Off: on the
-    # H200 it measured 0.093 ms against plain torch.compile's 0.083 ms (q (4,32,4096,128), k
+    # H200 it measured 0.085 ms against plain torch.compile's 0.082 ms (q (4,32,4096,128), k
     # (4,8,4096,128)); Inductor already streams RoPE near bandwidth.
     rope_kernel: bool = False
     # swiglu_mlp: by default only decode-sized inference (<= 64 rows) goes to fusionpass::swiglu,

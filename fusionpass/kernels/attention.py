@@ -13,7 +13,8 @@ Math (per batch b, query head h, kv head hk = h // (Hq // Hkv); natural-log unit
                & key_padding[b, j] & (j < kv_lengths[b])
     lse_i    = log sum_{visible j} exp(s_ij)                  (fp32, natural log)
     P_ij     = exp(s_ij - lse_i) where visible, else 0
-    out_i    = sum_j P_ij * Z_ij * v_j,   Z_ij = keep_ij * fp32(1 / fp32(1 - p))   (Z = 1 without dropout)
+    out_i    = sum_j P_ij * Z_ij * v_j,   Z_ij = keep_ij * drop_scale   (Z = 1 without dropout; the
+               keep rule and drop_scale = fp32(2**16 / (2**16 - thr16)) are under Dropout RNG)
 Backward (D_i = rowsum(dout_i * out_i), which equals sum_j P_ij * dP_ij):
     dP_ij = Z_ij * (dout_i . v_j),  dS_ij = P_ij * (dP_ij - D_i)
     dq_i = scale * sum_j dS_ij k_j,  dk_j = scale * sum_{i in group} dS_ij q_i,
@@ -44,15 +45,25 @@ The probabilities (P Z, dS) are rounded to the input dtype before their matmuls,
 
 Dropout RNG (no mask tensor is ever stored)
 -------------------------------------------
-The keep bit of (b, h, i, j) is layer_norm's keep bit of row r = (b * Hq + h) * Lq + i (mod 2**32),
-column j, with the same `_keep` (Philox4x32-10 via tl.philox_impl, key = seed, counter =
-(j // 4, r, offset lo, offset hi)) and the same threshold: kept iff u32 >= round(p * 2**32).
-It is a function of (seed, offset, b, h, i, j, Hq, Lq) only, not of block sizes or launch knobs,
-so the forward, both backward kernels and `attention_dropout_mask` (tests) see the same bits.
+The keep bit of (b, h, i, j) comes from Philox4x32-10 (tl.philox_impl, as layer_norm's dropout)
+with key = seed and counter = (j // 8, r, offset lo, offset hi), r = (b * Hq + h) * Lq + i
+(mod 2**32). Unlike layer_norm, which compares each 32-bit output word with a 32-bit threshold
+(4 columns per call), attention splits each word in two 16-bit halves: output word w (0..3) decides
+columns 8 * (j // 8) + 2w (its low half) and + 2w + 1 (its high half), and the element is kept iff
+its half >= thr16 = min(round(p * 2**16), 2**16 - 1) (`_keep16`). One Philox call thus serves 8
+keys: the RNG runs on CUDA cores in the forward and again in both backward kernels, and with 32-bit
+words it halved the forward's throughput at head dim 64 (H200: GPT-2 B16 H12 S1024 causal with
+dropout 113 TFLOP/s, against ~259 without dropout at a BLOOM shape). The realized drop probability is
+thr16 / 2**16, within 2**-17 of p (FA2 compares 8-bit slices: within 2**-9), and kept values are
+scaled by drop_scale = fp32(2**16 / (2**16 - thr16)), the inverse of the realized keep probability,
+not of 1 - p, so the dropout stays unbiased (`attention_dropout_constants`).
+The mask is a function of (seed, offset, b, h, i, j, Hq, Lq) only, not of block sizes or launch
+knobs, so the forward, both backward kernels, `attention_dropout_mask` (tests) and the torch
+mirror `philox_keep16` (fusionpass.ops.layer_norm, the CPU reference) see the same bits.
 Rows repeat only past 2**32 query rows per call (B * Hq * Lq), far beyond any tensor that fits.
 As with layer_norm: pass a fresh seed per call (a one-element int64 tensor inside traced code) or
 distinct offsets, and do not share a (seed, offset) pair between an attention and a layer_norm
-dropout (their streams coincide).
+dropout (they read the same Philox outputs, so their masks are correlated).
 
 Layouts: q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] with any strides (passed to the kernels; the
 transposes of [B, L, H, D] tensors that HF models produce need no copy). out is [B, Hq, Lq, D]
@@ -67,21 +78,22 @@ common._round). Launches take no host syncs and their grids depend on shapes onl
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 import triton
 import triton.language as tl
 
-from fusionpass.kernels.common import _device_guard, _for_store, _launcher, _round
+from fusionpass.kernels.common import _TILE, _device_guard, _for_store, _launcher, _round
 from fusionpass.kernels.layer_norm import (
+    _N_ROUNDS,
     _RNG_ARGS,
-    _keep,
     _rng_args,
     _rng_key,
-    dropout_mask,
 )
 
-__all__ = ["EMPTY_LSE", "HEAD_DIMS", "attention_bwd", "attention_dropout_mask", "attention_fwd"]
+__all__ = ["EMPTY_LSE", "HEAD_DIMS", "attention_bwd", "attention_dropout_constants", "attention_dropout_mask",
+           "attention_fwd"]
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 # lse of a query row that sees no key (see the module docstring).
@@ -91,6 +103,8 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NO_SPEC = ["Lq", "Lk", "window", *_RNG_ARGS]
+# Keys per Philox call: 4 output words of two 16-bit halves each (see the module docstring).
+_RNG16_GROUP = 8
 
 # Launch defaults for sm_90 by padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward
 # and dQ: BLOCK_M query rows per program, BLOCK_N keys per step. dK/dV: BLOCK_N keys per program (dk
@@ -99,9 +113,12 @@ _NO_SPEC = ["Lq", "Lk", "window", *_RNG_ARGS]
 # (128, 64, 8, 3) 1.25 ms (ties (64, 64, 4, 3); 4 warps at BLOCK_M 128 is 1.6x slower); dK/dV
 # (64, 128, 8, 2) 3.1 vs 3.6 ms for (32, 128, 8, 2); dQ (128, 64, 8, 3) 1.4 vs 2.5 ms for
 # (128, 32, 8, 2). D=64 and D=256 are scaled from those, not measured.
-_FWD_CFG = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)}
+# Head dim 64 from an H200 sweep at BERT, GPT-2 and BLOOM shapes (benchmarks/probes/
+# attention_d64_launches.py): (64, 64, 4, 3) forward and (64, 32, 4, 3) dQ were within 7% of the
+# best launch at all three, the old 128-row launches up to 47% slower (BLOOM's forward).
+_FWD_CFG = {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)}
 _DKDV_CFG = {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (16, 64, 8, 2)}
-_DQ_CFG = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
+_DQ_CFG = {64: (64, 32, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
 _PRE_BLOCK_M = 64
 
 
@@ -264,6 +281,26 @@ def _dropout_rows(bh, Lq, rows):
     return (bh.to(tl.int64) * Lq + rows).to(tl.int32)
 
 
+@triton.jit
+def _keep16(k0, k1, o0, o1, thr16, rows, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep mask [BLOCK_M, BLOCK_N] of rows `rows` ([BLOCK_M] int32) and columns col0 + [0, BLOCK_N)
+    (col0 a multiple of 8): one Philox4x32 call per 8 neighbouring columns, counter
+    (col // 8, row, o0, o1), key (k0, k1); the low / high 16 bits of its output w decide column
+    8 * (col // 8) + 2w / 2w + 1, kept iff >= thr16."""
+    G: tl.constexpr = BLOCK_N // 8
+    zero = tl.zeros([BLOCK_M, G], dtype=tl.uint32)
+    c0 = zero + ((col0 // 8) + tl.arange(0, G)).to(tl.uint32)[None, :]
+    c1 = zero + rows.to(tl.uint32, bitcast=True)[:, None]
+    c2 = zero + o0
+    c3 = zero + o1
+    r0, r1, r2, r3 = tl.philox_impl(c0, c1, c2, c3, k0, k1, _N_ROUNDS)
+    # [M, G, 2, 2] whose row-major flattening is r0, r1, r2, r3 (as layer_norm's _keep); joining the
+    # halves last makes them the fastest index, so the flattening is w0 lo, w0 hi, w1 lo, ...
+    w = tl.join(tl.join(r0, r2), tl.join(r1, r3))
+    halves = tl.join(w & 0xFFFF, w >> 16)
+    return tl.reshape(halves, [BLOCK_M, BLOCK_N]) >= thr16
+
+
 # --------------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------------
@@ -297,7 +334,7 @@ def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            keep = _keep(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
+            keep = _keep16(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         v = _load_kv(v_base + cols[:, None] * svn + offs_d[None, :] * svd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
         acc = acc * alpha[:, None] + tl.dot(_mm_operand(p, DT, INTERP), v, input_precision=PREC)
@@ -430,8 +467,8 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
         pT = tl.math.exp2(sT - lse2[None, :])
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
         if DROPOUT:
-            keepT = tl.trans(_keep(k0, k1, o0, o1, thr, _dropout_rows(bh, Lq, rows), n0,
-                                   BLOCK_M, BLOCK_N))
+            keepT = tl.trans(_keep16(k0, k1, o0, o1, thr, _dropout_rows(bh, Lq, rows), n0,
+                                     BLOCK_M, BLOCK_N))
             pdT = tl.where(keepT, pT * drop_scale, 0.0)
             dpT = tl.where(keepT, dpT * drop_scale, 0.0)
         else:
@@ -542,7 +579,7 @@ def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if DROPOUT:
-            keep = _keep(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
+            keep = _keep16(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(_mm_operand(ds, DT, INTERP), k, input_precision=PREC)
@@ -693,7 +730,7 @@ def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_
             raise ValueError(f"kv_lengths must be an int32 tensor of shape [{B}] on the inputs' device")
         kv_lengths = kv_lengths.to(torch.int32).contiguous()
     o.kvlen = kv_lengths
-    o.rng = _rng_args(dropout_p, seed, offset, dev)
+    o.rng = _rng16_args(dropout_p, seed, offset, dev)
     o.dropout = float(dropout_p) > 0.0
     o.interp = dev.type != "cuda"
     o.prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -876,9 +913,62 @@ def attention_bwd(
     return dq, dk, dv
 
 
+def attention_dropout_constants(p: float) -> tuple[int, float]:
+    """(thr16, drop_scale) of attention dropout with probability p: an element is kept iff its 16-bit
+    random value >= thr16 = min(round(p * 2**16), 2**16 - 1), and kept values are multiplied by
+    drop_scale = 2**16 / (2**16 - thr16) rounded to fp32 (the value the kernels multiply by), the
+    inverse of the realized keep probability 1 - thr16 / 2**16."""
+    thr16 = min(round(float(p) * 65536.0), 65535)
+    # struct, not a torch tensor: this also runs while torch.compile traces a triton_op
+    scale = struct.unpack("f", struct.pack("f", 65536.0 / (65536 - thr16)))[0]
+    return thr16, scale
+
+
+def _rng16_args(p: float, seed, offset: int, device: torch.device):
+    """layer_norm's `_rng_args` (checks, seed and offset words) with attention's 16-bit threshold
+    and its scale in place of the 32-bit ones."""
+    seed_t, lo, hi, olo, ohi, _, _ = _rng_args(p, seed, offset, device)
+    if float(p) == 0.0:
+        return seed_t, lo, hi, olo, ohi, 0, 1.0
+    thr16, scale = attention_dropout_constants(p)
+    return seed_t, lo, hi, olo, ohi, thr16, scale
+
+
+@triton.jit
+def _mask16_kernel(
+    OUT, SEED, M, N, stride_o, seed_lo, seed_hi, off_lo, off_hi, thr,
+    SEED_PTR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # The keep mask as int8, for tests: the same _keep16 the attention kernels call.
+    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, True)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col0 = tl.program_id(1) * BLOCK_N
+    c = col0 + tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < M)[:, None] & (c < N)
+    keep = _keep16(k0, k1, o0, o1, t, rows, col0, BLOCK_M, BLOCK_N)
+    tl.store(OUT + rows.to(tl.int64)[:, None] * stride_o + c, keep.to(tl.int8), mask=mask)
+
+
 def attention_dropout_mask(B: int, H: int, Lq: int, Lk: int, p: float, seed, offset: int = 0,
-                           device="cpu") -> torch.Tensor:
-    """The keep mask (bool [B, H, Lq, Lk]) of attention dropout with (p, seed, offset), for tests:
-    row (b * H + h) * Lq + i of layer_norm's mask, made by the same jitted `_keep` the attention
-    kernels call (H is the number of query heads)."""
-    return dropout_mask((B * H * Lq, Lk), p, seed, offset, device).view(B, H, Lq, Lk)
+                           device="cpu", *, block_n: int | None = None) -> torch.Tensor:
+    """The keep mask (bool [B, H, Lq, Lk]) of attention dropout with (p, seed, offset), for tests,
+    made by the same jitted `_keep16` the attention kernels call (H is the number of query heads;
+    mask row (b * H + h) * Lq + i is Philox row counter r). `block_n` (a power of two >= 16, as
+    the kernels' key blocks) only changes the tiling, not the result."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    seed_t, lo, hi, olo, ohi, thr, _ = _rng16_args(p, seed, offset, device)
+    if float(p) == 0.0:
+        return torch.ones((B, H, Lq, Lk), dtype=torch.bool, device=device)
+    out = torch.empty((B * H * Lq, Lk), dtype=torch.int8, device=device)
+    if out.numel() == 0:
+        return out.bool().view(B, H, Lq, Lk)
+    m, n = out.shape
+    bn = _block(block_n, max(2 * _RNG16_GROUP, min(_TILE, triton.next_power_of_2(n))), "block_n")
+    bm = max(1, _TILE // bn)
+    with _device_guard(device):
+        _launcher(_mask16_kernel, out)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            out, seed_t if seed_t is not None else out, m, n, out.stride(0), lo, hi, olo, ohi, thr,
+            SEED_PTR=seed_t is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    return out.bool().view(B, H, Lq, Lk)

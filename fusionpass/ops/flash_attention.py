@@ -23,7 +23,7 @@ that view hands back need no copies; dq/dk/dv are laid out as before.
 On CUDA the kernels launch from Inductor's code (triton_op). On CPU the host custom ops run the
 same kernels under the Triton interpreter (TRITON_INTERPRET=1, the tests) or, without it, a torch
 reference: math attention with an explicit boolean mask built from the same rule, and the kernels'
-dropout keep bits drawn in torch (`philox_keep`, the bits `attention_dropout_mask` returns). The
+dropout keep bits drawn in torch (`philox_keep16`, the bits `attention_dropout_mask` returns). The
 reference backward differentiates the reference forward.
 
 Measured on the H200: benchmarks/results/2026-11-30-h200-attention-kernel.md.
@@ -114,8 +114,8 @@ def visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, device) 
 
 
 def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed):
-    from fusionpass.kernels.attention import EMPTY_LSE
-    from fusionpass.ops.layer_norm import _dropout_constants, philox_keep
+    from fusionpass.kernels.attention import EMPTY_LSE, attention_dropout_constants
+    from fusionpass.ops.layer_norm import philox_keep16
 
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
@@ -132,9 +132,10 @@ def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bott
     lse = torch.where(empty, torch.full_like(lse, EMPTY_LSE), lse)
     p = torch.exp(s - lse[..., None])
     if dropout_p > 0:
-        # the kernels' keep bits: row (b * Hq + h) * Lq + i of layer_norm's Philox stream
-        keep = philox_keep(B * Hq * Lq, Lk, dropout_p, int(seed.reshape(-1)[0])).view(B, Hq, Lq, Lk)
-        p = torch.where(keep.to(q.device), p * _dropout_constants(dropout_p)[1], 0.0)
+        # the kernels' keep bits (Philox row counter (b * Hq + h) * Lq + i; the ops pass offset 0)
+        # and their scale, the inverse of the 16-bit threshold's keep probability
+        keep = philox_keep16(B * Hq * Lq, Lk, dropout_p, int(seed.reshape(-1)[0])).view(B, Hq, Lq, Lk)
+        p = torch.where(keep.to(q.device), p * attention_dropout_constants(dropout_p)[1], 0.0)
     return (p @ vf).to(q.dtype), lse
 
 

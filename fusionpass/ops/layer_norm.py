@@ -31,6 +31,8 @@ def _rows(t: Tensor) -> Tensor:
 # without a GPU) run this. It draws the *same* keep mask as the kernels -- Philox4x32-10 keyed by
 # the seed, counter (col // 4, row, 0, 0), word col % 4, kept iff >= round(p * 2**32) -- so a CPU
 # run and an interpreted run drop the same elements, and the backward matches the forward.
+# `philox_keep16` mirrors attention dropout's 16-bit variant of the same stream (its CPU reference
+# lives in fusionpass.ops.flash_attention).
 
 
 def _dropout_constants(p: float) -> tuple[int, float]:
@@ -48,22 +50,46 @@ def _mulhilo(a: Tensor, b: int) -> tuple[Tensor, Tensor]:
     return u >> 16, ((u & 0xFFFF) << 16) | (t & 0xFFFF)
 
 
-def philox_keep(rows: int, cols: int, p: float, seed: int) -> Tensor:
-    """The kernels' keep mask of a [rows, cols] view, in torch (bool, on the CPU)."""
-    threshold, _ = _dropout_constants(p)
-    groups = (cols + 3) // 4
-    c0 = torch.arange(groups, dtype=torch.int64).expand(rows, groups)
-    c1 = torch.arange(rows, dtype=torch.int64)[:, None].expand(rows, groups)
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
+def _philox(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32-10 (tl.philox_impl) of uint32 counters held in int64 tensors, key = seed mod 2**64."""
     k0, k1 = seed & _U32, (seed >> 32) & _U32
     for _ in range(10):
         hi_b, lo_b = _mulhilo(c2, 0xCD9E8D57)
         hi_a, lo_a = _mulhilo(c0, 0xD2511F53)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + 0x9E3779B9) & _U32, (k1 + 0xBB67AE85) & _U32
-    words = torch.stack((c0, c1, c2, c3), dim=-1).reshape(rows, groups * 4)[:, :cols]
+    return c0, c1, c2, c3
+
+
+def _philox_words(rows: int, groups: int, seed: int, offset: int) -> Tensor:
+    """[rows, groups, 4] Philox outputs of counters (group, row, offset lo, offset hi)."""
+    c0 = torch.arange(groups, dtype=torch.int64).expand(rows, groups)
+    c1 = (torch.arange(rows, dtype=torch.int64) & _U32)[:, None].expand(rows, groups)
+    c2 = torch.full_like(c0, offset & _U32)
+    c3 = torch.full_like(c0, (offset >> 32) & _U32)
+    return torch.stack(_philox(c0, c1, c2, c3, seed), dim=-1)
+
+
+def philox_keep(rows: int, cols: int, p: float, seed: int) -> Tensor:
+    """The kernels' keep mask of a [rows, cols] view, in torch (bool, on the CPU)."""
+    threshold, _ = _dropout_constants(p)
+    groups = (cols + 3) // 4
+    words = _philox_words(rows, groups, seed, 0).reshape(rows, groups * 4)[:, :cols]
     return words >= threshold
+
+
+def philox_keep16(rows: int, cols: int, p: float, seed: int, offset: int = 0) -> Tensor:
+    """Attention dropout's keep mask of a [rows, cols] view, in torch (bool, on the CPU): what the
+    attention kernels' `_keep16` draws -- counter (col // 8, row, offset), the low / high 16 bits of
+    output word w for columns 8 * (col // 8) + 2w / 2w + 1, kept iff >= thr16
+    (fusionpass.kernels.attention, `attention_dropout_constants`)."""
+    from fusionpass.kernels.attention import attention_dropout_constants
+
+    threshold, _ = attention_dropout_constants(p)
+    groups = (cols + 7) // 8
+    words = _philox_words(rows, groups, seed, offset)
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1).reshape(rows, groups * 8)[:, :cols]
+    return halves >= threshold
 
 
 def _keep_mask(x: Tensor, p: float, seed: Tensor) -> Tensor:

@@ -426,7 +426,7 @@ def order_allows(m: Match, cfg) -> str | None:
 
 OPT_IN = (
     "opt-in (rope_kernel=True / FUSIONPASS_ROPE_KERNEL=1): measured slower than plain torch.compile "
-    "(0.093 vs 0.083 ms for q (4,32,4096,128) + k (4,8,4096,128) on the H200)"
+    "(0.085 vs 0.082 ms for q (4,32,4096,128) + k (4,8,4096,128) on the H200)"
 )
 
 

@@ -249,6 +249,9 @@ def _hf(name):
     elif name == "gpt_neox":
         model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(rotary_pct=0.25, **COMMON))
         variant = "rotate_half_partial"
+    elif name == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=2, **COMMON))
+        variant = "rotate_half"
     elif name == "phi3":  # partial rotary with GQA
         model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
             num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0, **COMMON))
@@ -260,12 +263,13 @@ def _hf(name):
     return model.eval(), variant
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt_neox", "phi3", "gptj"])
-def test_hf_models_training(name, opted_in):
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt_neox", "phi3", "gptj"])
+def test_hf_models(name, train, opted_in):
     model, variant = _hf(name)
     ids = torch.randint(0, 128, (2, 9))
-    kwargs = {"use_cache": False, "labels": ids}
-    got, stats = compile_and_count(model, ids, fusions=[FUSION], train=True, kwargs=kwargs)
+    kwargs = {"use_cache": False, "labels": ids} if train else {"use_cache": False}
+    got, stats = compile_and_count(model, ids, fusions=[FUSION], train=train, kwargs=kwargs)
     assert stats == counts(**{variant: 1})
     assert [m for m in near_misses() if m[0] == FUSION] == []
-    assert_outcomes_close(got, eager(model, ids, train=True, kwargs=kwargs), rtol=1e-4)
+    assert_outcomes_close(got, eager(model, ids, train=train, kwargs=kwargs), rtol=1e-4)
