@@ -4,6 +4,7 @@ into the 4-D mask (`masked_fill(alibi / sqrt(d), where(m, 0, min) < -1, min)`).
     attention_mask), on by default;
   - eager: `(q k^T + alibi) *= 1/sqrt(d)`, `softmax(logits + mask)` -> eager_alibi_mask_kernel
     (the bias counted twice, as the model computes it); padded batches are near misses there.
+Falcon with rotary embeddings (`alibi=False`): eager -> eager_kernel, sdpa -> the causal mask rewrite.
 Tiny 2-layer models (head dim 64) under the Triton interpreter, training and inference: exact
 counts, outputs and gradients equal to plain torch.compile (dropout off)."""
 from __future__ import annotations
@@ -27,10 +28,10 @@ def _small_blocks(monkeypatch):
     monkeypatch.setattr(fa_ops, "CPU_BLOCKS", {"block_m": 16, "block_n": 16, "dq_block_m": 16, "dq_block_n": 16})
 
 
-def falcon(impl, multi_query=False, layers=2):
+def falcon(impl, multi_query=False, layers=2, alibi=True):
     config = transformers.FalconConfig(
         vocab_size=96, hidden_size=HEADS * HEAD_DIM, num_hidden_layers=layers, num_attention_heads=HEADS,
-        alibi=True, new_decoder_architecture=False, multi_query=multi_query, attention_dropout=0.0,
+        alibi=alibi, new_decoder_architecture=False, multi_query=multi_query, attention_dropout=0.0,
         hidden_dropout=0.0,
     )
     config._attn_implementation = impl
@@ -105,3 +106,17 @@ def test_falcon_eager_padded_batch_is_a_near_miss():
     assert stats == {}
     reasons = [r for _, _, r in near_misses()]
     assert len(reasons) == 2 and all("run-time key padding" in r for r in reasons)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_falcon_rotary_eager(train):
+    # alibi=False: rotary q/k, then GPT-2-style eager math (scores / sqrt(d) + the additive causal
+    # mask, softmax, @ v) -> the kernel's eager route
+    check(falcon("eager", alibi=False), "eager_kernel", train)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_falcon_rotary_sdpa(train):
+    # alibi=False with sdpa: transformers materializes the causal mask; it is proven causal and the
+    # call becomes is_causal=True SDPA (the mask rewrite, no kernel)
+    check(falcon("sdpa", alibi=False), "causal_mask", train)
