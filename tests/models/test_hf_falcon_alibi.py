@@ -115,8 +115,7 @@ def test_falcon_rotary_eager(train):
     check(falcon("eager", alibi=False), "eager_kernel", train)
 
 
-@pytest.mark.parametrize("train", [True, False])
-def test_falcon_rotary_sdpa(train):
+def test_falcon_rotary_sdpa():
     # alibi=False with sdpa: transformers materializes the causal mask; it is proven causal and the
-    # call becomes is_causal=True SDPA (the mask rewrite, no kernel)
-    check(falcon("sdpa", alibi=False), "causal_mask", train)
+    # call becomes is_causal=True SDPA (the mask rewrite, no kernel; training is Llama's case)
+    check(falcon("sdpa", alibi=False), "causal_mask", False)
