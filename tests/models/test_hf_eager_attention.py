@@ -1,5 +1,6 @@
 """attention, eager-math route: attention written in torch ops (BLOOM's baddbmm of the ALiBi tensor,
-MPT's sliced ALiBi tensor and masked_fill, GPT-2's matmuls with transformers' additive causal mask) becomes fusionpass::flash_attention, on by
+MPT's sliced ALiBi tensor and masked_fill, GPT-2's matmuls with transformers' additive causal mask,
+as GPT-J, GPT-NeoX and OPT write them too) becomes fusionpass::flash_attention, on by
 default. Tiny HF models (head dim 64, the kernel's smallest) under the Triton interpreter, training
 and inference: exact counts, outputs and gradients equal to plain torch.compile (dropout off); with
 attention dropout on, the loss over several seeds agrees in expectation; padded batches and returned
@@ -51,6 +52,25 @@ def mpt(layers=2):
     return transformers.MptForCausalLM(config)
 
 
+def rotary(family):
+    """GPT-J / GPT-NeoX (rotary, GPT-2-style eager math) and OPT (scaled q, no rotary)."""
+    width = HEADS * HEAD_DIM
+    if family == "gptj":
+        config = transformers.GPTJConfig(vocab_size=96, n_embd=width, n_head=HEADS, n_layer=2, rotary_dim=16,
+                                         n_positions=32, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    elif family == "gpt_neox":
+        config = transformers.GPTNeoXConfig(vocab_size=96, hidden_size=width, num_attention_heads=HEADS,
+                                            num_hidden_layers=2, intermediate_size=width, rotary_pct=0.25,
+                                            attention_dropout=0.0, hidden_dropout=0.0)
+    else:
+        config = transformers.OPTConfig(vocab_size=96, hidden_size=width, num_attention_heads=HEADS,
+                                        num_hidden_layers=2, ffn_dim=width, word_embed_proj_dim=width,
+                                        max_position_embeddings=32, dropout=0.0, attention_dropout=0.0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def ids():
     torch.manual_seed(1)
     return torch.randint(1, 96, (B, S))
@@ -85,6 +105,12 @@ def test_mpt_alibi(train):
 @pytest.mark.parametrize("train", [True, False])
 def test_gpt2_eager(train):
     check(gpt2(), "eager_kernel", train)
+
+
+@pytest.mark.parametrize("family, train", [("gptj", True), ("gpt_neox", True), ("opt", False)])
+def test_other_eager_families(family, train):
+    # OPT only in inference: its training forward draws torch.rand for layerdrop, a graph break
+    check(rotary(family), "eager_kernel", train)
 
 
 def test_bloom_graph_has_no_scores():
