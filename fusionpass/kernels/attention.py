@@ -86,8 +86,9 @@ import triton.language as tl
 
 from fusionpass.kernels.common import _TILE, _device_guard, _for_store, _launcher, _round
 from fusionpass.kernels.layer_norm import (
-    _N_ROUNDS,
     _RNG_ARGS,
+    _fill_keep_mask,
+    _keep16,
     _rng_args,
     _rng_key,
 )
@@ -279,26 +280,6 @@ def _key_bias(kb_base, skbn, cols, kv_end, HAS_KB: tl.constexpr, MASKED: tl.cons
 def _dropout_rows(bh, Lq, rows):
     """Philox row counter of query rows `rows` of (batch * head) bh: (bh * Lq + row) mod 2**32, int32."""
     return (bh.to(tl.int64) * Lq + rows).to(tl.int32)
-
-
-@triton.jit
-def _keep16(k0, k1, o0, o1, thr16, rows, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keep mask [BLOCK_M, BLOCK_N] of rows `rows` ([BLOCK_M] int32) and columns col0 + [0, BLOCK_N)
-    (col0 a multiple of 8): one Philox4x32 call per 8 neighbouring columns, counter
-    (col // 8, row, o0, o1), key (k0, k1); the low / high 16 bits of its output w decide column
-    8 * (col // 8) + 2w / 2w + 1, kept iff >= thr16."""
-    G: tl.constexpr = BLOCK_N // 8
-    zero = tl.zeros([BLOCK_M, G], dtype=tl.uint32)
-    c0 = zero + ((col0 // 8) + tl.arange(0, G)).to(tl.uint32)[None, :]
-    c1 = zero + rows.to(tl.uint32, bitcast=True)[:, None]
-    c2 = zero + o0
-    c3 = zero + o1
-    r0, r1, r2, r3 = tl.philox_impl(c0, c1, c2, c3, k0, k1, _N_ROUNDS)
-    # [M, G, 2, 2] whose row-major flattening is r0, r1, r2, r3 (as layer_norm's _keep); joining the
-    # halves last makes them the fastest index, so the flattening is w0 lo, w0 hi, w1 lo, ...
-    w = tl.join(tl.join(r0, r2), tl.join(r1, r3))
-    halves = tl.join(w & 0xFFFF, w >> 16)
-    return tl.reshape(halves, [BLOCK_M, BLOCK_N]) >= thr16
 
 
 # --------------------------------------------------------------------------------------------------
@@ -934,21 +915,6 @@ def _rng16_args(p: float, seed, offset: int, device: torch.device):
     return seed_t, lo, hi, olo, ohi, thr16, scale
 
 
-@triton.jit
-def _mask16_kernel(
-    OUT, SEED, M, N, stride_o, seed_lo, seed_hi, off_lo, off_hi, thr,
-    SEED_PTR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # The keep mask as int8, for tests: the same _keep16 the attention kernels call.
-    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, True)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col0 = tl.program_id(1) * BLOCK_N
-    c = col0 + tl.arange(0, BLOCK_N)[None, :]
-    mask = (rows < M)[:, None] & (c < N)
-    keep = _keep16(k0, k1, o0, o1, t, rows, col0, BLOCK_M, BLOCK_N)
-    tl.store(OUT + rows.to(tl.int64)[:, None] * stride_o + c, keep.to(tl.int8), mask=mask)
-
-
 def attention_dropout_mask(B: int, H: int, Lq: int, Lk: int, p: float, seed, offset: int = 0,
                            device="cpu", *, block_n: int | None = None) -> torch.Tensor:
     """The keep mask (bool [B, H, Lq, Lk]) of attention dropout with (p, seed, offset), for tests,
@@ -964,11 +930,6 @@ def attention_dropout_mask(B: int, H: int, Lq: int, Lk: int, p: float, seed, off
     out = torch.empty((B * H * Lq, Lk), dtype=torch.int8, device=device)
     if out.numel() == 0:
         return out.bool().view(B, H, Lq, Lk)
-    m, n = out.shape
-    bn = _block(block_n, max(2 * _RNG16_GROUP, min(_TILE, triton.next_power_of_2(n))), "block_n")
-    bm = max(1, _TILE // bn)
-    with _device_guard(device):
-        _launcher(_mask16_kernel, out)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            out, seed_t if seed_t is not None else out, m, n, out.stride(0), lo, hi, olo, ohi, thr,
-            SEED_PTR=seed_t is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    bn = _block(block_n, max(2 * _RNG16_GROUP, min(_TILE, triton.next_power_of_2(Lk))), "block_n")
+    _fill_keep_mask(out, (seed_t, lo, hi, olo, ohi, thr), bn, halves=True)
     return out.bool().view(B, H, Lq, Lk)

@@ -123,17 +123,41 @@ def _keep(k0, k1, o0, o1, thr, rows, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
+def _keep16(k0, k1, o0, o1, thr16, rows, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep mask [BLOCK_M, BLOCK_N] of rows `rows` ([BLOCK_M] int32) and columns col0 + [0, BLOCK_N)
+    (col0 a multiple of 8): one Philox4x32 call per 8 neighbouring columns, counter
+    (col // 8, row, o0, o1), key (k0, k1); the low / high 16 bits of its output w decide column
+    8 * (col // 8) + 2w / 2w + 1, kept iff >= thr16."""
+    G: tl.constexpr = BLOCK_N // 8
+    zero = tl.zeros([BLOCK_M, G], dtype=tl.uint32)
+    c0 = zero + ((col0 // 8) + tl.arange(0, G)).to(tl.uint32)[None, :]
+    c1 = zero + rows.to(tl.uint32, bitcast=True)[:, None]
+    c2 = zero + o0
+    c3 = zero + o1
+    r0, r1, r2, r3 = tl.philox_impl(c0, c1, c2, c3, k0, k1, _N_ROUNDS)
+    # [M, G, 2, 2] whose row-major flattening is r0, r1, r2, r3 (as layer_norm's _keep); joining the
+    # halves last makes them the fastest index, so the flattening is w0 lo, w0 hi, w1 lo, ...
+    w = tl.join(tl.join(r0, r2), tl.join(r1, r3))
+    halves = tl.join(w & 0xFFFF, w >> 16)
+    return tl.reshape(halves, [BLOCK_M, BLOCK_N]) >= thr16
+
+
+@triton.jit
 def _mask_kernel(
     OUT, SEED, M, N, stride_o, seed_lo, seed_hi, off_lo, off_hi, thr,
-    SEED_PTR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEED_PTR: tl.constexpr, HALVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # The keep mask as int8, for tests: the same _keep the forward and backward call.
+    # The keep mask as int8, for tests: the same _keep the forward and backward call (HALVES: the
+    # attention kernels' _keep16).
     k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, True)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     col0 = tl.program_id(1) * BLOCK_N
     c = col0 + tl.arange(0, BLOCK_N)[None, :]
     mask = (rows < M)[:, None] & (c < N)
-    keep = _keep(k0, k1, o0, o1, t, rows, col0, BLOCK_M, BLOCK_N)
+    if HALVES:
+        keep = _keep16(k0, k1, o0, o1, t, rows, col0, BLOCK_M, BLOCK_N)
+    else:
+        keep = _keep(k0, k1, o0, o1, t, rows, col0, BLOCK_M, BLOCK_N)
     tl.store(OUT + rows.to(tl.int64)[:, None] * stride_o + c, keep.to(tl.int8), mask=mask)
 
 
@@ -525,19 +549,26 @@ def dropout_mask(shape, p: float, seed, offset: int = 0, device="cpu", *, block_
     if out.numel() == 0:
         return out.bool()
     o2 = out.view(-1, n)
-    m = o2.shape[0]
     if block_n is None:
         bn = max(_RNG_GROUP, min(_TILE, triton.next_power_of_2(n)))
     elif block_n < _RNG_GROUP or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {_RNG_GROUP}")
     else:
         bn = block_n
-    bm = max(1, _TILE // bn)
-    with _device_guard(device):
-        _launcher(_mask_kernel, out)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            o2, seed_t if seed_t is not None else o2, m, n, o2.stride(0), lo, hi, olo, ohi, thr,
-            SEED_PTR=seed_t is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    _fill_keep_mask(o2, (seed_t, lo, hi, olo, ohi, thr), bn, halves=False)
     return out.bool()
+
+
+def _fill_keep_mask(out: torch.Tensor, rng: tuple, block_n: int, halves: bool) -> None:
+    """Write the keep bits of the rows of the 2-d int8 `out` (rng: `_rng_args`' seed tensor, seed
+    and offset words and threshold; halves: attention's 16-bit bits)."""
+    seed_t, lo, hi, olo, ohi, thr = rng
+    m, n = out.shape
+    bm = max(1, _TILE // block_n)
+    with _device_guard(out.device):
+        _launcher(_mask_kernel, out)[(triton.cdiv(m, bm), triton.cdiv(n, block_n))](
+            out, seed_t if seed_t is not None else out, m, n, out.stride(0), lo, hi, olo, ohi, thr,
+            SEED_PTR=seed_t is not None, HALVES=halves, BLOCK_M=bm, BLOCK_N=block_n, num_warps=4)
 
 
 def layer_norm_fwd(

@@ -137,6 +137,16 @@ def _single_use(node: fx.Node, user: fx.Node) -> None:
         raise NearMiss(f"{node.name} is also read outside the attention (e.g. probabilities returned)")
 
 
+def _through_casts(e: "Eager", node: fx.Node, user: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """Walk from `node` (read only by `user`) through its chain of casts, adding them to the
+    nodes the kernel replaces; returns the new (user, node)."""
+    while g.cast_source(node) is not None:
+        _single_use(node, user)
+        e.nodes.append(node)
+        user, node = node, g.cast_source(node)
+    return user, node
+
+
 def _scale_of(node: fx.Node) -> tuple[fx.Node, float] | None:
     """(scores, c) for `scores * c`, `c * scores` or `scores / c` with a constant c (a literal or a
     `torch.full([], c)`), else None."""
@@ -344,10 +354,7 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
                 raise NearMiss("attention dropout probability is not a constant")
             e.dropout_p = d.p
         user, node = node, d.x
-    while g.cast_source(node) is not None:
-        _single_use(node, user)
-        e.nodes.append(node)
-        user, node = node, g.cast_source(node)
+    user, node = _through_casts(e, node, user)
     if not _is_call(node, _SOFTMAXES):
         return None
     dim = _arg(node, 1, "dim")
@@ -359,10 +366,7 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
 
     # casts of the scores (MPT's `.float()`), then the mask (added, or a masked_fill) and a per-key
     # bias added to the scaled scores (MPT's ALiBi), in either order
-    while g.cast_source(node) is not None:
-        _single_use(node, user)
-        e.nodes.append(node)
-        user, node = node, g.cast_source(node)
+    user, node = _through_casts(e, node, user)
     for _ in range(2):
         found = _masked_fill(node) if e.mask is None else None
         if found is not None:
@@ -437,10 +441,7 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
             _single_use(node, user)
             e.nodes.append(node)
             user, node = node, g.first_arg(node)
-        while g.cast_source(node) is not None:
-            _single_use(node, user)
-            e.nodes.append(node)
-            user, node = node, g.cast_source(node)
+        user, node = _through_casts(e, node, user)
         if not _is_call(node, _MATMULS) or len(node.args) != 2:
             return None
         q, kt = node.args

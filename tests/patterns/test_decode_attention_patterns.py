@@ -50,29 +50,12 @@ def compiled(m, fused):
     return torch.compile(m, backend=backend, fullgraph=True)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family, attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager")])
 @pytest.mark.parametrize("q_len", [1, 4])
-def test_decode_step_matches(family, q_len):
-    m = model(family)
-    cache, _ = prefilled(m)
-    torch.manual_seed(2)
-    step = torch.randint(1, 96, (BATCH, q_len))
-    outs = {}
-    with compiling(), torch.no_grad():
-        for fused in (True, False):
-            c = copy.deepcopy(cache)
-            outs[fused] = compiled(m, fused)(step, past_key_values=c, use_cache=True).logits
-            if fused:
-                assert fusionpass.stats(variants=True) == {(FUSION, "static_cache"): LAYERS}
-                assert near_misses() == []
-    assert_tensors_close(outs[True], outs[False], 1e-4, "logits")
-
-
-@pytest.mark.parametrize("q_len", [1, 4])
-def test_eager_decode_step_matches(q_len):
-    # attn_implementation="eager": matmul(q, repeat_kv(k)^T) * scale + where(decode mask, 0, min),
-    # fp32 softmax, matmul with repeat_kv(v), the same mask machinery under the additive form
-    m = model("llama", attn="eager")
+def test_decode_step_matches(family, attn, q_len):
+    # eager: matmul(q, repeat_kv(k)^T) * scale + where(decode mask, 0, min), fp32 softmax, matmul
+    # with repeat_kv(v), the same mask machinery under the additive form
+    m = model(family, attn)
     cache, _ = prefilled(m)
     torch.manual_seed(2)
     step = torch.randint(1, 96, (BATCH, q_len))
