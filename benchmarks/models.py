@@ -3,14 +3,16 @@ torch.compile against fusionpass, side by side (interleaved) in one process.
 
     python benchmarks/models.py [--model llama|gpt2|bert|bloom|falcon] [--layers 8] [--batch 4] [--seq 2048]
                                 [--mask] [--attn sdpa|eager] [--eager] [--steps train,inference]
-                                [--fusions ...]
+                                [--fusions ...] [--without FUSION]
                                 [--json out.json]
 
 llama: h2048, GQA 16/4, head_dim 128, intermediate 8192 (ANCHORS.md's config); gpt2: GPT-2 small
 with `loss_type="ForCausalLM"` (else its loss lands in a second graph); bert: BERT-base MLM;
 bloom: BLOOM-style h1024 with 16 heads (ALiBi; transformers has only eager attention for it);
 falcon: Falcon with `alibi=True` at the same size (sdpa: ALiBi folded into the mask; or eager).
-`--mask` passes an all-ones attention_mask, as training loops do.
+`--mask` passes an all-ones attention_mask, as training loops do. `--attn` also applies to llama.
+`--without FUSION` adds a third column, fusionpass without that fusion, timed interleaved with the
+other two (what one fusion adds, in one run).
 
 Reports, for a training step (forward + loss + backward) and an inference forward: milliseconds,
 tokens/s, peak memory above the weights, compile time (first call), match counts, and whether the
@@ -26,6 +28,7 @@ import time
 import torch
 
 import fusionpass
+from fusionpass import config as fp_config
 from fusionpass.bench import environment, peak_memory, time_interleaved
 
 try:
@@ -39,7 +42,7 @@ torch._inductor.config.fx_graph_cache = False
 torch._functorch.config.enable_autograd_cache = False
 
 
-def build_llama(layers: int, vocab: int, hidden: int = 2048, intermediate: int = 8192):
+def build_llama(layers: int, vocab: int, hidden: int = 2048, intermediate: int = 8192, attn: str = "sdpa"):
     import transformers
 
     config = transformers.LlamaConfig(
@@ -52,7 +55,7 @@ def build_llama(layers: int, vocab: int, hidden: int = 2048, intermediate: int =
         vocab_size=vocab,
         max_position_embeddings=8192,
     )
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.bfloat16)
 
@@ -137,8 +140,8 @@ def run(args) -> list[dict]:
     fusions = args.fusions.split(",") if args.fusions else None
     warm_up_compiler()
     if args.model == "llama":
-        base = build_llama(args.layers, args.vocab)
-        name = f"llama {args.layers}L h2048"
+        base = build_llama(args.layers, args.vocab, attn=args.attn)
+        name = f"llama {args.layers}L h2048" + (f" attn={args.attn}" if args.attn != "sdpa" else "")
     elif args.model == "bloom":
         base = build_bloom(args.layers)
         name = f"bloom-style {args.layers}L h1024"
@@ -166,11 +169,19 @@ def run(args) -> list[dict]:
         fused = torch.compile(fused_model, backend=fusionpass.backend(fusions=fusions))
         make = train_step if mode == "train" else infer_step
         steps = {"torch.compile": make(plain, ids, **kwargs), "fusionpass": make(fused, ids, **kwargs)}
+        if args.without:
+            names = set(fusions) if fusions is not None else set(fp_config.make().fusions)
+            without = torch.compile(copy.deepcopy(base).train(mode == "train"),
+                                    backend=fusionpass.backend(fusions=sorted(names - {args.without})))
+            steps[f"fusionpass -{args.without}"] = make(without, ids, **kwargs)
         eager_model = copy.deepcopy(base).train(mode == "train")
         if args.eager:
             steps["eager"] = make(eager_model, ids, **kwargs)
-        compile_s = {k: first_call_seconds(s) for k, s in steps.items()}
-        matches = fusionpass.stats()
+        compile_s = {}
+        for k, s in steps.items():
+            compile_s[k] = first_call_seconds(s)
+            if k == "fusionpass":
+                matches = fusionpass.stats()  # before the --without compile adds its own
         # numerics: one more step each from identical weights, and eager as the yardstick of
         # what bf16 rounding alone moves
         outs = {k: s().float() for k, s in steps.items()}
@@ -220,6 +231,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--fusions", default=None)
+    parser.add_argument("--without", default=None, help="also time fusionpass without this fusion")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--json", default=None)

@@ -18,6 +18,9 @@ FUSION_NAMES = (
     # before attention: a decode SDPA call is this fusion's, not a mask attention cannot prove
     "decode_attention",
     "attention",
+    # after attention: q's rotary embedding moves into the fusionpass::flash_attention calls
+    # attention made (patterns/rope_attention.py)
+    "rope_attention",
     # after attention: it sets the token-major output layout on the fusionpass::flash_attention
     # calls attention made (patterns/attention_out_proj.py); nothing to configure, on when listed
     "attention_out_proj",
@@ -78,6 +81,9 @@ class Config:
     # H200 it measured 0.085 ms against plain torch.compile's 0.082 ms (q (4,32,4096,128), k
     # (4,8,4096,128)); Inductor already streams RoPE near bandwidth.
     rope_kernel: bool = False
+    # rope_attention in training: the backward rotates q again for the backward kernels and dq
+    # back, spending the bytes the forward saved (see patterns/rope_attention.py).
+    rope_attention_training: bool = False
     # swiglu_mlp: by default only decode-sized inference (<= 64 rows) goes to fusionpass::swiglu,
     # where it measured faster (patterns/swiglu.py); True routes every match (prefill, training).
     swiglu_mlp_kernel: bool = False
@@ -142,6 +148,9 @@ def from_env(base: Config | None = None, environ=os.environ) -> Config:
     if "FUSIONPASS_ROPE_KERNEL" in environ:
         value = environ["FUSIONPASS_ROPE_KERNEL"].lower()
         cfg = cfg.replace(rope_kernel=value in ("1", "true", "on", "yes"))
+    if "FUSIONPASS_ROPE_ATTENTION_TRAINING" in environ:
+        value = environ["FUSIONPASS_ROPE_ATTENTION_TRAINING"].lower()
+        cfg = cfg.replace(rope_attention_training=value in ("1", "true", "on", "yes"))
     if "FUSIONPASS_SWIGLU_MLP_KERNEL" in environ:
         value = environ["FUSIONPASS_SWIGLU_MLP_KERNEL"].lower()
         cfg = cfg.replace(swiglu_mlp_kernel=value in ("1", "true", "on", "yes"))

@@ -121,6 +121,11 @@ _FWD_CFG = {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)}
 _DKDV_CFG = {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (16, 64, 8, 2)}
 _DQ_CFG = {64: (64, 32, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
 _PRE_BLOCK_M = 64
+# Forward with RoPE on q (`rope=`): at D=128 the 128-row launch rotated q 13% slower than it runs
+# on a rotated q, (64, 64, 4, 3) 2-3% slower (H200, B4 H32/8 S4096 causal: 1.263 against
+# 1.227-1.238 ms; B4 H16/4 S2048: 0.2055 against 0.199-0.205; benchmarks/probes/
+# rope_attention_layouts.py).
+_FWD_ROPE_CFG = {128: (64, 64, 4, 3)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -323,17 +328,82 @@ def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn
     return acc, l_i, m_i
 
 
+@triton.jit
+def _rope_pairs(q_base, cos_base, sin_base, offs_m, row_ok, sqm, sqd, scm, scd, ssm, ssd, ROPE: tl.constexpr,
+                HALF: tl.constexpr):
+    """The rotated channels a (of each pair) and b as [BLOCK_M, HALF] fp32 tiles:
+    y_a = x_a cos_a - x_b sin_a, y_b = x_b cos_b + x_a sin_b (fusionpass.kernels.rope's map)."""
+    p = tl.arange(0, HALF)
+    if ROPE == 1:
+        ca = p
+        cb = p + HALF
+    else:
+        ca = 2 * p
+        cb = 2 * p + 1
+    mask = row_ok[:, None]
+    rows_q = q_base + offs_m[:, None] * sqm
+    rows_c = cos_base + offs_m[:, None] * scm
+    rows_s = sin_base + offs_m[:, None] * ssm
+    xa = tl.load(rows_q + ca[None, :] * sqd, mask=mask, other=0.0).to(tl.float32)
+    xb = tl.load(rows_q + cb[None, :] * sqd, mask=mask, other=0.0).to(tl.float32)
+    cos_a = tl.load(rows_c + ca[None, :] * scd, mask=mask, other=1.0).to(tl.float32)
+    cos_b = tl.load(rows_c + cb[None, :] * scd, mask=mask, other=1.0).to(tl.float32)
+    sin_a = tl.load(rows_s + ca[None, :] * ssd, mask=mask, other=0.0).to(tl.float32)
+    sin_b = tl.load(rows_s + cb[None, :] * ssd, mask=mask, other=0.0).to(tl.float32)
+    return xa * cos_a - xb * sin_a, xb * cos_b + xa * sin_b
+
+
+@triton.jit
+def _rope_q(q, q_base, cos_base, sin_base, offs_m, offs_d, row_ok, sqm, sqd, scm, scd, ssm, ssd,
+            ROPE: tl.constexpr, ROT_DIM: tl.constexpr, HALVES: tl.constexpr, DT: tl.constexpr,
+            INTERP: tl.constexpr):
+    """The q tile rotated by RoPE as it is loaded: y = q * cos + rot(q) * sin on the first ROT_DIM
+    channels (the rest as loaded), in fp32, rounded once to the input dtype as a rotation kernel
+    would store it. ROPE 1: rotate_half (channel d < R/2 takes -q[d + R/2], the others q[d - R/2]),
+    2: interleaved (even d takes -q[d + 1], odd d q[d - 1]).
+    HALVES (every channel rotated, D a power of 2): the pair's two channels are loaded as two
+    [BLOCK_M, D/2] tiles and the results interleaved in registers. Otherwise (partial rotary,
+    D 80/96) q is loaded a second time with the channels paired, which measured 10-13% slower than
+    attention on a pre-rotated q on the H200 against 2-3% for HALVES (see _FWD_ROPE_CFG)."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    if HALVES:
+        y_a, y_b = _rope_pairs(q_base, cos_base, sin_base, offs_m, row_ok, sqm, sqd, scm, scd, ssm, ssd, ROPE,
+                               HALF)
+        # [BLOCK_M, D/2, 2]: pair p's channels side by side
+        pairs = tl.join(_mm_operand(y_a, DT, INTERP), _mm_operand(y_b, DT, INTERP))
+        if ROPE == 1:
+            pairs = tl.permute(pairs, (0, 2, 1))  # rotate_half: channel p, then channel p + D/2
+        out = tl.reshape(pairs, (q.shape[0], ROT_DIM))
+    else:
+        rotated = offs_d < ROT_DIM
+        if ROPE == 1:
+            first = offs_d < HALF
+            partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+        else:
+            first = offs_d % 2 == 0
+            partner = tl.where(first, offs_d + 1, offs_d - 1)
+        sign = tl.where(first, -1.0, 1.0)
+        mask = row_ok[:, None] & rotated[None, :]
+        partner = tl.where(rotated, partner, offs_d)
+        q_pair = tl.load(q_base + offs_m[:, None] * sqm + partner[None, :] * sqd, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(cos_base + offs_m[:, None] * scm + offs_d[None, :] * scd, mask=mask, other=1.0).to(tl.float32)
+        s = tl.load(sin_base + offs_m[:, None] * ssm + offs_d[None, :] * ssd, mask=mask, other=0.0).to(tl.float32)
+        out = _mm_operand(q.to(tl.float32) * c + sign[None, :] * q_pair * s, DT, INTERP)
+    return out
+
+
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _fwd_kernel(
-    Q, K, V, O, LSE, SLOPES, KPM, KB, KVLEN, SEED,
+    Q, K, V, O, LSE, SLOPES, KPM, KB, KVLEN, SEED, COS, SIN,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, skpb, skpn,
-    skbb, skbh, skbn,
+    skbb, skbh, skbn, scb, sch, scm, scd, ssb, ssh, ssm, ssd,
     Hq, Lq, Lk, GROUP, num_m, qk_scale, window, drop_scale,
     seed_lo, seed_hi, off_lo, off_hi, thr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
     ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_KVLEN: tl.constexpr,
     DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+    ROPE: tl.constexpr, ROT_DIM: tl.constexpr, ROPE_HALVES: tl.constexpr,
 ):
     DT: tl.constexpr = Q.dtype.element_ty
     EVEN_D: tl.constexpr = D == BLOCK_D
@@ -358,8 +428,12 @@ def _fwd_kernel(
     row_end = tl.minimum(m0 + BLOCK_M, Lq)
 
     b64 = b.to(tl.int64)
-    q = _load(Q + b64 * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-              row_ok[:, None] & d_ok[None, :], INTERP)
+    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh
+    q = _load(q_base + offs_m[:, None] * sqm + offs_d[None, :] * sqd, row_ok[:, None] & d_ok[None, :], INTERP)
+    if ROPE != 0:
+        q = _rope_q(q, q_base, COS + b64 * scb + h.to(tl.int64) * sch, SIN + b64 * ssb + h.to(tl.int64) * ssh,
+                    offs_m, offs_d, row_ok, sqm, sqd, scm, scd, ssm, ssd, ROPE, ROT_DIM, ROPE_HALVES, DT,
+                    INTERP)
     k_base = K + b64 * skb + hk.to(tl.int64) * skh
     v_base = V + b64 * svb + hk.to(tl.int64) * svh
     kp_base = KPM + b64 * skpb
@@ -744,6 +818,33 @@ def _aux(o: _Opts, dummy):
     return ((ptr(o.slopes), ptr(o.kpm), ptr(o.kb), ptr(o.kvlen), ptr(o.rng[0])), (*kp_strides, *kb_strides))
 
 
+ROPE_FORMS = {"rotate_half": 1, "interleaved": 2}
+_ROPE_HALVES = True  # see _rope_q; False: the partner-load form everywhere
+
+
+def _rope_args(rope, q):
+    """(COS, SIN) pointers, their [B, H, L, D] strides (0 where broadcast) and the ROPE/ROT_DIM
+    flags for the forward; q and zero strides without rope."""
+    if rope is None:
+        return (q, q), (0,) * 8, {"ROPE": 0, "ROT_DIM": 0, "ROPE_HALVES": False}
+    cos, sin, form, rotary_dim = rope
+    if form not in ROPE_FORMS:
+        raise ValueError(f"unknown RoPE form {form!r}; known: {tuple(ROPE_FORMS)}")
+    D = q.shape[-1]
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim % 2 or not 0 < rotary_dim <= D:
+        raise ValueError(f"rotary_dim {rotary_dim!r} must be an even int in (0, {D}]")
+    want = (*q.shape[:3], rotary_dim)
+    strides = []
+    for t, name in ((cos, "cos"), (sin, "sin")):
+        if (not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != rotary_dim
+                or any(a not in (1, b) for a, b in zip(t.shape[:3], want)) or t.device != q.device
+                or not t.is_floating_point()):
+            raise ValueError(f"rope {name} must be a float tensor broadcastable to {want} on q's device")
+        strides += [0 if size == 1 else st for size, st in zip(t.shape, t.stride())]
+    halves = _ROPE_HALVES and rotary_dim == D and D & (D - 1) == 0
+    return (cos, sin), tuple(strides), {"ROPE": ROPE_FORMS[form], "ROT_DIM": rotary_dim, "ROPE_HALVES": halves}
+
+
 def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -762,6 +863,7 @@ def attention_fwd(
     offset: int = 0,
     align: str = "top_left",
     out: torch.Tensor | None = None,
+    rope: tuple | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -780,6 +882,9 @@ def attention_fwd(
     out: [B, Hq, Lq, D] in q's dtype, contiguous, or written into `out` (any [B, Hq, Lq, D] view of
     q's dtype, e.g. a transpose of a [B, Lq, Hq, D] buffer). lse: [B, Hq, Lq] fp32, natural log of
     the softmax denominator of the scaled, biased scores; EMPTY_LSE for rows that see no key.
+    rope: (cos, sin, form, rotary_dim): q is rotated as it is loaded (`_rope_q`; the rotated q is
+    never written), `q * cos + rot(q) * sin` of fusionpass.kernels.rope with form "rotate_half" or
+    "interleaved"; cos/sin 4-d, last dim rotary_dim, broadcastable to [B, Hq, Lq, rotary_dim].
     block_m/block_n/num_warps/num_stages override the launch defaults (_FWD_CFG); results do not
     depend on them beyond fp32 summation order.
     """
@@ -793,19 +898,21 @@ def attention_fwd(
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     if B * Hq * Lq == 0:
         return out, lse
-    bm, bn, warps, stages = _FWD_CFG[triton.next_power_of_2(D)]
+    padded = triton.next_power_of_2(D)
+    bm, bn, warps, stages = _FWD_ROPE_CFG.get(padded, _FWD_CFG[padded]) if rope is not None else _FWD_CFG[padded]
     bm = _block(block_m, bm, "block_m")
     bn = _block(block_n, bn, "block_n")
     num_m = triton.cdiv(Lq, bm)
     ptrs, aux_strides = _aux(o, q)
+    rope_ptrs, rope_strides, rope_flags = _rope_args(rope, q)
     _, lo, hi, olo, ohi, thr, drop_scale = o.rng
     with _device_guard(q.device):
         _launcher(_fwd_kernel, q)[(num_m * B * Hq,)](
-            q, k, v, out, lse, *ptrs,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *aux_strides,
+            q, k, v, out, lse, *ptrs, *rope_ptrs,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *aux_strides, *rope_strides,
             Hq, Lq, o.Lk, o.group, num_m, o.scale, o.window or 0, float(drop_scale),
             lo, hi, olo, ohi, thr,
-            **_flags(o), BLOCK_M=bm, BLOCK_N=bn,
+            **_flags(o), **rope_flags, BLOCK_M=bm, BLOCK_N=bn,
             num_warps=num_warps or warps, num_stages=num_stages or stages)
     return out, lse
 

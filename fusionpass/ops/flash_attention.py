@@ -2,7 +2,8 @@
 custom ops (CPU), autograd.
 
     out, lse = flash_attention(q, k, v, key_padding, key_bias, scale, causal, window,
-                               align_bottom_right, dropout_p, seed, token_major=False)
+                               align_bottom_right, dropout_p, seed, token_major=False,
+                               rope_cos=None, rope_sin=None, rope_form="", rotary_dim=0)
 
 q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (GQA/MQA: Hq % Hkv == 0, read without repeat), key_padding
 [B, Lk] bool (True = keep) or None, key_bias [B, Hq, Lk] float added to every query row's
@@ -19,6 +20,13 @@ it). The fake impls report the same strides as the real ones (Inductor lays out 
 them). lse is [B, Hq, Lq] fp32 contiguous either way. The backward reads `out` and `dout` with
 any strides (the kernels take them), so a token-major `out` and the strided `dout` the backward of
 that view hands back need no copies; dq/dk/dv are laid out as before.
+
+RoPE in the kernel: with rope_cos/rope_sin (4-d, last dim rotary_dim, broadcastable to
+[B, Hq, Lq, rotary_dim], no gradient), rope_form "rotate_half" or "interleaved", q is the
+*unrotated* query and the forward rotates it as it loads it (`q * cos + rot(q) * sin`, the map of
+fusionpass::rope), so the rotated q is never written (fusionpass.patterns.rope_attention sets this).
+The backward makes the rotated q with one fusionpass::rope launch for the backward kernels and
+rotates dq back with fusionpass::rope_backward, as the unfused graph's rope backward would.
 
 On CUDA the kernels launch from Inductor's code (triton_op). On CPU the host custom ops run the
 same kernels under the Triton interpreter (TRITON_INTERPRET=1, the tests) or, without it, a torch
@@ -75,15 +83,20 @@ def _check(q, k, v, dropout_p, seed, window, causal) -> None:
 # kernels
 
 
+def _rope(rope_cos, rope_sin, rope_form, rotary_dim):
+    """The kernels' `rope` argument: (cos, sin, form, rotary_dim), or None without a rotation."""
+    return None if rope_cos is None else (rope_cos, rope_sin, rope_form, rotary_dim)
+
+
 def _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed,
-                    token_major=False, blocks=None):
+                    token_major=False, rope=None, blocks=None):
     from fusionpass.kernels.attention import attention_fwd
 
     opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     blocks = {k_: v_ for k_, v_ in (blocks or {}).items() if k_ in ("block_m", "block_n")}
     # the kernel writes any [B, Hq, Lq, D] view: token-major output costs nothing extra
     out = token_major_empty(q) if token_major else None
-    return attention_fwd(q, k, v, **opts, out=out, **blocks)
+    return attention_fwd(q, k, v, **opts, out=out, rope=rope, **blocks)
 
 
 def _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
@@ -160,18 +173,25 @@ def _forward_host(
     q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None, key_bias: Tensor | None, scale: float,
     causal: bool, window: int,
     align_bottom_right: bool, dropout_p: float, seed: Tensor | None, token_major: bool = False,
+    rope_cos: Tensor | None = None, rope_sin: Tensor | None = None, rope_form: str = "", rotary_dim: int = 0,
 ) -> tuple[Tensor, Tensor]:
     args = (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
+    rope = _rope(rope_cos, rope_sin, rope_form, rotary_dim)
     if host.interpreting():
-        out, lse = _kernel_forward(*args, token_major=token_major, blocks=CPU_BLOCKS)
+        out, lse = _kernel_forward(*args, token_major=token_major, rope=rope, blocks=CPU_BLOCKS)
     else:
+        if rope is not None:
+            from fusionpass.ops.rope import reference as rotate
+
+            args = (rotate(q, rope_cos, rope_sin, rope_form, rotary_dim, False), *args[1:])
         out, lse = _reference(*args)
         out = token_major_empty(q).copy_(out) if token_major else out.contiguous()
     return out, lse.contiguous()
 
 
 @_forward_host.register_fake
-def _(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed, token_major=False):
+def _(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed, token_major=False,
+      rope_cos=None, rope_sin=None, rope_form="", rotary_dim=0):
     out = token_major_empty(q) if token_major else host.empty_like(q)
     return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
 
@@ -204,12 +224,13 @@ def flash_attention(
     q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None, key_bias: Tensor | None, scale: float,
     causal: bool, window: int,
     align_bottom_right: bool, dropout_p: float, seed: Tensor | None, token_major: bool = False,
+    rope_cos: Tensor | None = None, rope_sin: Tensor | None = None, rope_form: str = "", rotary_dim: int = 0,
 ) -> tuple[Tensor, Tensor]:
     _check(q, k, v, dropout_p, seed, window, causal)
     args = (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     if q.device.type != "cuda":
-        return _forward_host(*args, token_major)
-    return _kernel_forward(*args, token_major=token_major)
+        return _forward_host(*args, token_major, rope_cos, rope_sin, rope_form, rotary_dim)
+    return _kernel_forward(*args, token_major=token_major, rope=_rope(rope_cos, rope_sin, rope_form, rotary_dim))
 
 
 @torch.library.triton_op("fusionpass::flash_attention_backward", mutates_args=())
@@ -225,23 +246,34 @@ def flash_attention_backward(
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed, _token_major = inputs
+    (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed, _token_major,
+     rope_cos, rope_sin, rope_form, rotary_dim) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_padding, key_bias, seed)
+    ctx.save_for_backward(q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin)
     ctx.flags = (scale, causal, window, align_bottom_right, dropout_p)
+    ctx.rope = (rope_form, rotary_dim)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, _dlse):
     if dout is None:
-        return (None,) * 12
-    q, k, v, out, lse, key_padding, key_bias, seed = ctx.saved_tensors
+        return (None,) * 16
+    if any(ctx.needs_input_grad[12:14]):  # (shorter when the call left the rope arguments out)
+        raise RuntimeError("fusionpass::flash_attention does not differentiate the RoPE cos/sin")
+    q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin = ctx.saved_tensors
     scale, causal, window, align_bottom_right, dropout_p = ctx.flags
+    form, rotary_dim = ctx.rope
+    if rope_cos is not None:
+        # the forward rotated q as it loaded it; the backward kernels read the rotated q, made
+        # here (one rotation launch), and the gradient is rotated back (the transposed map)
+        q = torch.ops.fusionpass.rope(q, None, rope_cos, rope_sin, form, rotary_dim)[0]
     dq, dk, dv = torch.ops.fusionpass.flash_attention_backward(
         dout, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed
     )
+    if rope_cos is not None:
+        dq = torch.ops.fusionpass.rope_backward(dq, None, rope_cos, rope_sin, form, rotary_dim)[0]
     # out (saved) and dout may be token-major or otherwise strided: the kernels read their strides
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, *(None,) * 13
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup)

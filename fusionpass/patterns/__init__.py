@@ -11,4 +11,5 @@ MODULES = (
     "fusionpass.patterns.cross_entropy",
     "fusionpass.patterns.swiglu",
     "fusionpass.patterns.rope",
+    "fusionpass.patterns.rope_attention",
 )

@@ -203,14 +203,14 @@ def device_supported(m: Match, cfg) -> str | None:
 def replace(graph: fx.Graph, m: Match, cfg) -> None:
     call, out = m.anchor, m.bindings["out"]
     if len(call.args) >= _TOKEN_MAJOR_ARG:
-        call.args = (*call.args[:_TOKEN_MAJOR_ARG], True)
+        call.args = (*call.args[:_TOKEN_MAJOR_ARG], True, *call.args[_TOKEN_MAJOR_ARG + 1:])
     else:
         call.kwargs = {**call.kwargs, "token_major": True}
-    kwargs = call.kwargs
     # later patterns read example values: give the op and its outputs the new strides
     mode = g.fake_mode_of([a for a in call.args if isinstance(a, fx.Node)])
     if mode is not None:
         fake = [g.value(a) if isinstance(a, fx.Node) else a for a in call.args]
+        kwargs = {k: g.value(a) if isinstance(a, fx.Node) else a for k, a in call.kwargs.items()}
         with mode:
             value = call.target(*fake, **kwargs)
         call.meta["example_value"] = value

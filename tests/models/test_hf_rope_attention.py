@@ -1,0 +1,116 @@
+"""rope_attention on tiny HF models whose eager attention goes to fusionpass::flash_attention: the
+q rotation moves into the kernel (inference by default; training with rope_attention_training),
+with exact match counts and outputs (and gradients) equal to plain torch.compile; the forms the
+kernel's fast rotation does not take (partial rotary) and the training default are near misses
+with their reasons; with rope_kernel on, the fusionpass::rope call is left rotating k alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_outcomes_close, compile_and_count, compiling, fused_graph, near_misses, run
+
+from fusionpass.ops import flash_attention as fa_ops
+
+transformers = pytest.importorskip("transformers")
+
+FUSIONS = ["attention", "rope_attention"]
+ROPE = torch.ops.fusionpass.rope.default
+FLASH = torch.ops.fusionpass.flash_attention.default
+WIDTH, HEADS, LAYERS = 128, 2, 2  # head dim 64, the kernel's smallest
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    monkeypatch.setattr(fa_ops, "CPU_BLOCKS", {"block_m": 16, "block_n": 16, "dq_block_m": 16, "dq_block_n": 16})
+
+
+def build(family):
+    common = dict(vocab_size=96, hidden_size=WIDTH, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+                  intermediate_size=WIDTH, max_position_embeddings=32)
+    if family == "llama":
+        config = transformers.LlamaConfig(num_key_value_heads=1, **common)
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(num_key_value_heads=1, **common)
+    elif family == "phi3":
+        config = transformers.Phi3Config(num_key_value_heads=1, pad_token_id=0, **common)
+    elif family == "phi3_partial":
+        config = transformers.Phi3Config(num_key_value_heads=1, pad_token_id=0, partial_rotary_factor=0.5, **common)
+    elif family == "gpt_neox":
+        config = transformers.GPTNeoXConfig(rotary_pct=0.25, attention_dropout=0.0, hidden_dropout=0.0, **common)
+    else:  # GPT-J: interleaved, rotated in [B, S, H, D] and permuted after; rotary_dim 64 = the whole head
+        config = transformers.GPTJConfig(vocab_size=96, n_embd=WIDTH, n_head=HEADS, n_layer=LAYERS, n_positions=32,
+                                         rotary_dim=64 if family == "gptj" else 16, attn_pdrop=0.0, resid_pdrop=0.0,
+                                         embd_pdrop=0.0)
+    config._attn_implementation = "eager"
+    config.use_cache = False
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def ids():
+    torch.manual_seed(1)
+    return torch.randint(1, 96, (2, 9))
+
+
+def compare(model, train, fusions=FUSIONS, **config):
+    x = ids()
+    kwargs = {"use_cache": False, **({"labels": x} if train else {})}
+    model.train(train)
+    got, stats = compile_and_count(model, x, fusions=fusions, train=train, kwargs=kwargs, **config)
+    misses = near_misses()
+    with compiling():
+        want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), train, kwargs=kwargs)
+    assert_outcomes_close(got, want, rtol=2e-4)
+    return stats, misses
+
+
+@pytest.mark.parametrize("family, variant", [
+    ("llama", "rotate_half"), ("qwen2", "rotate_half"),
+    # Phi-3 and GPT-J slice and re-cat even when every channel rotates (the pass-through is empty)
+    ("phi3", "rotate_half_partial"), ("gptj", "interleaved_partial"),
+])
+def test_inference(family, variant):
+    stats, misses = compare(build(family), train=False)
+    assert stats == {("attention", "eager_kernel"): LAYERS, ("rope_attention", variant): LAYERS}
+    assert misses == []
+
+
+@pytest.mark.parametrize("family", ["llama", "gptj"])
+def test_training_opted_in(family):
+    variant = "rotate_half" if family == "llama" else "interleaved_partial"
+    stats, misses = compare(build(family), train=True, rope_attention_training=True)
+    assert stats == {("attention", "eager_kernel"): LAYERS, ("rope_attention", variant): LAYERS}
+    assert misses == []
+
+
+def test_training_is_a_near_miss_by_default():
+    stats, misses = compare(build("llama"), train=True)
+    assert stats == {("attention", "eager_kernel"): LAYERS}
+    assert len(misses) == LAYERS and all(f == "rope_attention" and r.startswith("cost: training") for f, _, r in misses)
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "phi3_partial", "gptj_partial"])
+def test_partial_rotary_is_a_near_miss(family):
+    model = build(family).eval()
+    with torch.no_grad():
+        _, _, record = fused_graph(model, ids(), fusions=FUSIONS)
+    assert record.matches == {("attention", "eager_kernel"): LAYERS}
+    reasons = [r for f, _, r in record.near_misses if f == "rope_attention"]
+    assert len(reasons) == LAYERS and all(r.startswith("layout: partial rotary") for r in reasons)
+
+
+def test_rope_kernel_call_keeps_k(monkeypatch):
+    # with rope_kernel on, fusionpass::rope rotated q and k together; q's rotation moves into the
+    # attention, and a call rotating k alone is left
+    monkeypatch.setenv("FUSIONPASS_ROPE_KERNEL", "1")
+    model = build("llama").eval()
+    with torch.no_grad():  # inference: nothing differentiates q
+        gm, _, record = fused_graph(model, ids(), fusions=["rope", *FUSIONS])
+    assert record.matches == {("rope", "rotate_half"): LAYERS, ("attention", "eager_kernel"): LAYERS,
+                              ("rope_attention", "rope_kernel"): LAYERS}
+    ropes = [n for n in gm.graph.nodes if n.target is ROPE]
+    flashes = [n for n in gm.graph.nodes if n.target is FLASH]
+    assert len(ropes) == LAYERS and all(n.args[1] is None for n in ropes)
+    assert all(n.kwargs["rope_form"] == "rotate_half" and n.args[0] not in ropes for n in flashes)
+    stats, misses = compare(model, train=False, fusions=["rope", *FUSIONS])
+    assert stats[("rope_attention", "rope_kernel")] == LAYERS and misses == []
