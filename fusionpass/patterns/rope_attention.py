@@ -33,9 +33,8 @@ from torch import fx
 from fusionpass import registry
 from fusionpass.patterns import graph as g
 from fusionpass.patterns import rope as rope_patterns
+from fusionpass.patterns.attention_out_proj import _swaps_heads_and_tokens
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
-
-_ROPE_KWARGS = ("rope_cos", "rope_sin", "rope_form", "rotary_dim")
 
 
 def _flash_attention():
@@ -57,12 +56,6 @@ def is_anchor(node) -> bool:
     parts = rope_patterns._joined(rotated, "cat")
     return (rope_patterns.anchor(rotated) or bool(parts and rope_patterns.anchor(parts[0]))
             or _rope_call(rotated) is not None)
-
-
-def _swaps_heads_and_tokens(node) -> bool:
-    from fusionpass.patterns.attention_out_proj import _swaps_heads_and_tokens as swaps
-
-    return swaps(node)
 
 
 def _walk(q: fx.Node) -> tuple[fx.Node, list[fx.Node], bool]:
