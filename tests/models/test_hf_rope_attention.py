@@ -114,3 +114,49 @@ def test_rope_kernel_call_keeps_k(monkeypatch):
     assert all(n.kwargs["rope_form"] == "rotate_half" and n.args[0] not in ropes for n in flashes)
     stats, misses = compare(model, train=False, fusions=["rope", *FUSIONS])
     assert stats[("rope_attention", "rope_kernel")] == LAYERS and misses == []
+
+
+def _llama_graph():
+    """The Dynamo graph of a tiny Llama (inference) after `attention`, its flash calls, the config."""
+    from fusionpass import config as config_mod
+
+    with torch.no_grad():
+        gm, _, _ = fused_graph(build("llama").eval(), ids(), fusions=["attention"])
+    calls = [n for n in gm.graph.nodes if n.target is FLASH]
+    assert len(calls) == LAYERS
+    return gm, calls, config_mod.make(cpu=True)
+
+
+def _apply_rope_attention(gm, cfg):
+    from fusionpass import registry
+    from fusionpass.patterns.rope_attention import ROPE_ATTENTION
+
+    record = registry.Record()
+    registry.apply(ROPE_ATTENTION, gm.graph, cfg, record)
+    return record
+
+
+def test_rotated_q_read_elsewhere_is_a_near_miss():
+    gm, calls, cfg = _llama_graph()
+    q_rot = calls[0].args[0]
+    with gm.graph.inserting_after(q_rot):
+        gm.graph.call_function(torch.neg, (q_rot,))  # another reader of the rotated q
+    record = _apply_rope_attention(gm, cfg)
+    assert record.matches == {("rope_attention", "rotate_half"): LAYERS - 1}
+    ((_, _, reason),) = record.near_misses
+    assert reason.startswith("private:") and "also read outside the attention" in reason
+
+
+def test_dtype_changing_cast_is_a_near_miss():
+    # only the pattern's view of the graph: a cast between the rotation and the attention that
+    # changes the dtype (the graph is not run)
+    gm, calls, cfg = _llama_graph()
+    q_rot = calls[0].args[0]
+    with gm.graph.inserting_before(calls[0]):
+        cast = gm.graph.call_method("to", (q_rot, torch.float64))
+    cast.meta["example_value"] = q_rot.meta["example_value"].to(torch.float64)
+    calls[0].args = (cast, *calls[0].args[1:])
+    record = _apply_rope_attention(gm, cfg)
+    assert record.matches == {("rope_attention", "rotate_half"): LAYERS - 1}
+    ((_, _, reason),) = record.near_misses
+    assert "q is cast from torch.float32 to torch.float64" in reason
