@@ -77,10 +77,16 @@ class Config:
     # training steps with it at GPT-2's V=50257 and BERT's V=30522 (D768) were slower than plain
     # torch.compile (0.95x, 0.89x with layer_norm_dropout_residual also on).
     linear_cross_entropy_min_vocab: int = 100_000
-    # rope: route q/k rotary embeddings to fusionpass::rope (one launch for q and k). Off: on the
-    # H200 it measured 0.085 ms against plain torch.compile's 0.082 ms (q (4,32,4096,128), k
-    # (4,8,4096,128)); Inductor already streams RoPE near bandwidth.
+    # rope cost rule: fusionpass::rope (one launch for q and k) where q and k together hold at most
+    # rope_max_bytes and the rotation covers at least rope_min_tokens positions. On the H200
+    # (benchmarks/results/2026-12-01-h200-rope_attention.md) the kernel was 1.01-1.54x of plain
+    # torch.compile's code up to 84 MB of q+k and 0.91-0.98x from 168 MB (q (4,32,4096,128) +
+    # k (4,8,4096,128): 0.965x), and HF Llama 8L B4 S2048 (42 MB per layer) stepped 1.03x faster
+    # with it (training and inference). Decode-sized rotations stay with Inductor, which writes the
+    # rotated k into a static KV cache in the same kernel. rope_kernel=True routes every match.
     rope_kernel: bool = False
+    rope_max_bytes: int = 96 * 2**20
+    rope_min_tokens: int = 64
     # rope_attention in training: the backward rotates q again for the backward kernels and dq
     # back, spending the bytes the forward saved (see patterns/rope_attention.py).
     rope_attention_training: bool = False

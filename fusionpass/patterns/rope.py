@@ -10,9 +10,11 @@ Partial rotary (GPT-NeoX rotary_pct, Phi-3 partial_rotary_factor, GPT-J rotary_d
 and is matched from x to the cat. The second rotation that reads the same cos and sin (k for q)
 joins the match: one fusionpass::rope call rotates both; a lone rotation gets a call of its own.
 
-Opt-in (Config.rope_kernel / FUSIONPASS_ROPE_KERNEL=1): plain torch.compile already streams RoPE near
-bandwidth, and the kernel measured 0.965x of it on the H200
-(benchmarks/results/2026-11-30-h200-rope.md). Where the rotated q feeds fusionpass's attention
+Cost rule (`cost_rule`, fusionpass/config.py): selected where q and k together hold at most
+rope_max_bytes (96 MiB) and the rotation covers at least rope_min_tokens (64) positions; the
+kernel measured 1.01-1.54x of plain torch.compile's code up to 84 MB and 0.91-0.98x from 168 MB
+on the H200 (benchmarks/results/2026-12-01-h200-rope_attention.md). rope_kernel=True /
+FUSIONPASS_ROPE_KERNEL=1 routes every match. Where the rotated q feeds fusionpass's attention
 kernel, patterns/rope_attention.py moves q's rotation into that kernel instead (with or without
 this fusion).
 """
@@ -427,14 +429,31 @@ def order_allows(m: Match, cfg) -> str | None:
     return None
 
 
-OPT_IN = (
-    "opt-in (rope_kernel=True / FUSIONPASS_ROPE_KERNEL=1): measured slower than plain torch.compile "
-    "(0.085 vs 0.082 ms for q (4,32,4096,128) + k (4,8,4096,128) on the H200)"
-)
+def _positions(m: Match) -> int | None:
+    """How many positions the rotation covers: cos's non-batch, non-channel extent ([B, 1, S, r]
+    for [B, H, S, D] q/k, [B, S, 1, r] for GPT-J's [B, S, H, D])."""
+    c = g.tensor(m.bindings["cos"])
+    sizes = [g.static_int(n) for n in c.shape[1:3]]
+    return None if None in sizes else max(sizes)
 
 
-def opted_in(m: Match, cfg) -> str | None:
-    return None if cfg.rope_kernel else OPT_IN
+def cost_rule(m: Match, cfg) -> str | None:
+    """Where the kernel measured faster than Inductor (fusionpass/config.py), unless rope_kernel."""
+    if cfg.rope_kernel:
+        return None
+    tensors = [g.tensor(m.bindings[n]) for n in ("q", "k") if m.bindings[n] is not None]
+    sizes = [g.static_int(t.numel()) for t in tensors]
+    positions = _positions(m)
+    if None in sizes or positions is None:
+        return "symbolic sizes: the cost rule needs static ones (rope_kernel=True routes it anyway)"
+    if positions < cfg.rope_min_tokens:
+        return (f"{positions} positions, under {cfg.rope_min_tokens}: left to Inductor, which fuses the "
+                "rotation of a decode step's k with its KV-cache write")
+    nbytes = sum(n * t.element_size() for n, t in zip(sizes, tensors))
+    if nbytes > cfg.rope_max_bytes:
+        return (f"q and k hold {nbytes / 2**20:.3g} MiB, over {cfg.rope_max_bytes / 2**20:.3g} MiB: measured "
+                "slower than plain torch.compile there (0.91-0.98x from 168 MB on the H200)")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,7 +482,8 @@ ROPE = registry.register(
             "sharing cos/sin are rotated by one call"
         ),
         selected_when=(
-            "opt-in (rope_kernel=True / FUSIONPASS_ROPE_KERNEL=1; measured 0.965x of plain torch.compile); "
+            "q and k of at most 96 MiB together over at least 64 positions (measured 1.01-1.54x of plain "
+            "torch.compile there, 0.91-0.98x above; rope_kernel=True / FUSIONPASS_ROPE_KERNEL=1: always); "
             "4-d q/k of one float dtype, cos/sin in that dtype or float32 broadcasting over them, "
             "even rotary dim, cos/sin without grad"
         ),
@@ -476,7 +496,7 @@ ROPE = registry.register(
             Guard("cos_sin_grad", cos_sin_constant),
             Guard("intermediates", intermediates_private),
             Guard("order", order_allows),
-            Guard("opt_in", opted_in),
+            Guard("cost", cost_rule),
         ),
         replace=replace,
         unmatched="add of two products found, but not x * cos + rotate_half(x) / "

@@ -11,8 +11,9 @@ rotates each q tile as it loads it (fusionpass.kernels.attention `_rope_q`): the
 written to memory nor read back, 2 * |q| bytes fewer in the forward. The rotation of k is left as it
 is (Inductor's code, or a k-only fusionpass::rope call): each forward program reads every k tile
 of its row of blocks, so rotating k on load would repeat the rotation for every query block, and a
-rotated k is what a KV cache stores anyway: left to Inductor, k's rotation and its `index_copy_`
-into a static cache are one kernel (benchmarks/probes/rope_kv_cache.py, on the H200 and on CPU).
+rotated k is what a KV cache stores anyway: left to Inductor (as rope's cost rule does for
+decode-sized steps), k's rotation and its `index_copy_` into a static cache are one kernel
+(benchmarks/probes/rope_kv_cache.py, on the H200 and on CPU).
 The rotation on load costs the kernel 2-3% at head dim 128 (with its own launch, _FWD_ROPE_CFG),
 less than the rotation kernel it replaces; partial rotary takes a slower form (a near miss). In the backward the op rotates q again (one launch) for
 the backward kernels and rotates dq back, which is what the unfused graph's rope backward did: in

@@ -56,9 +56,9 @@ class LlamaRope(nn.Module):
     """HF Llama/Mistral/Qwen2 `apply_rotary_pos_emb`: q [B, Hq, S, D], k [B, Hkv, S, D] (GQA),
     both transposes of [B, S, H, D] projections."""
 
-    def __init__(self, dtype=FP32, cos_dtype=None):
+    def __init__(self, dtype=FP32, cos_dtype=None, seq=S):
         super().__init__()
-        emb = torch.cat((_freqs(D), _freqs(D)), -1)
+        emb = torch.cat((_freqs(D, seq), _freqs(D, seq)), -1)
         self.register_buffer("cos", emb.cos().to(cos_dtype or dtype))
         self.register_buffer("sin", emb.sin().to(cos_dtype or dtype))
 
@@ -129,8 +129,8 @@ class QueryOnlyRope(LlamaRope):
         return q * cos + rotate_half(q) * sin, k * 2
 
 
-def _qk(dtype=FP32, hq=4, hkv=2):
-    return torch.randn(B, S, hq, D).to(dtype), torch.randn(B, S, hkv, D).to(dtype)
+def _qk(dtype=FP32, hq=4, hkv=2, seq=S):
+    return torch.randn(B, seq, hq, D).to(dtype), torch.randn(B, seq, hkv, D).to(dtype)
 
 
 CASES = {
@@ -180,12 +180,18 @@ def test_graph_has_one_call(opted_in):
 # near misses
 
 
-def test_off_by_default(monkeypatch):
+def test_cost_rule(monkeypatch):
+    # by default: at least 64 positions and at most 96 MiB of q and k (H200 measurements)
     monkeypatch.delenv("FUSIONPASS_ROPE_KERNEL", raising=False)
-    module, args = LlamaRope(), _qk()
-    _, stats = compile_and_count(module, *args, fusions=[FUSION])
-    assert stats == {}
-    assert near_misses("opt-in (rope_kernel=True / FUSIONPASS_ROPE_KERNEL=1): measured slower")
+    _, stats = compile_and_count(LlamaRope(), *_qk(), fusions=[FUSION])
+    assert stats == {} and near_misses("cost: 7 positions, under 64: left to Inductor")
+    module, args = LlamaRope(seq=64), _qk(seq=64)
+    got, stats = compile_and_count(module, *args, fusions=[FUSION])
+    assert stats == counts(rotate_half=1)
+    assert_outcomes_close(got, eager(module, *args))
+    # q and k here: 2 * 64 * (4 + 2) * 16 fp32 = 48 KiB
+    _, stats = compile_and_count(module, *args, fusions=[FUSION], rope_max_bytes=32 * 2**10)
+    assert stats == {} and near_misses("cost: q and k hold 0.0469 MiB, over 0.0312 MiB: measured slower")
 
 
 def test_mixed_dtypes(opted_in):
