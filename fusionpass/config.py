@@ -90,6 +90,10 @@ class Config:
     # rope_attention in training: the backward rotates q again for the backward kernels and dq
     # back, spending the bytes the forward saved (see patterns/rope_attention.py).
     rope_attention_training: bool = False
+    # rope_attention for the interleaved (GPT-J) form: rotating q on load measured 1.014x of
+    # rotating it first at B4 H16 S2048 and 0.958x at B4 H32 S4096 (D128, H200), against 1.03-1.09x
+    # for rotate_half; so only with this on.
+    rope_attention_interleaved: bool = False
     # swiglu_mlp: by default only decode-sized inference (<= 64 rows) goes to fusionpass::swiglu,
     # where it measured faster (patterns/swiglu.py); True routes every match (prefill, training).
     swiglu_mlp_kernel: bool = False
@@ -157,6 +161,9 @@ def from_env(base: Config | None = None, environ=os.environ) -> Config:
     if "FUSIONPASS_ROPE_ATTENTION_TRAINING" in environ:
         value = environ["FUSIONPASS_ROPE_ATTENTION_TRAINING"].lower()
         cfg = cfg.replace(rope_attention_training=value in ("1", "true", "on", "yes"))
+    if "FUSIONPASS_ROPE_ATTENTION_INTERLEAVED" in environ:
+        value = environ["FUSIONPASS_ROPE_ATTENTION_INTERLEAVED"].lower()
+        cfg = cfg.replace(rope_attention_interleaved=value in ("1", "true", "on", "yes"))
     if "FUSIONPASS_SWIGLU_MLP_KERNEL" in environ:
         value = environ["FUSIONPASS_SWIGLU_MLP_KERNEL"].lower()
         cfg = cfg.replace(swiglu_mlp_kernel=value in ("1", "true", "on", "yes"))

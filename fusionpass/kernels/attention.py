@@ -85,6 +85,7 @@ import triton
 import triton.language as tl
 
 from fusionpass.kernels.common import _TILE, _device_guard, _for_store, _launcher, _round
+from fusionpass.kernels.rope import _split_pairs
 from fusionpass.kernels.layer_norm import (
     _RNG_ARGS,
     _fill_keep_mask,
@@ -333,23 +334,26 @@ def _rope_pairs(q_base, cos_base, sin_base, offs_m, row_ok, sqm, sqd, scm, scd, 
                 HALF: tl.constexpr):
     """The rotated channels a (of each pair) and b as [BLOCK_M, HALF] fp32 tiles:
     y_a = x_a cos_a - x_b sin_a, y_b = x_b cos_b + x_a sin_b (fusionpass.kernels.rope's map)."""
-    p = tl.arange(0, HALF)
-    if ROPE == 1:
-        ca = p
-        cb = p + HALF
-    else:
-        ca = 2 * p
-        cb = 2 * p + 1
     mask = row_ok[:, None]
     rows_q = q_base + offs_m[:, None] * sqm
     rows_c = cos_base + offs_m[:, None] * scm
     rows_s = sin_base + offs_m[:, None] * ssm
-    xa = tl.load(rows_q + ca[None, :] * sqd, mask=mask, other=0.0).to(tl.float32)
-    xb = tl.load(rows_q + cb[None, :] * sqd, mask=mask, other=0.0).to(tl.float32)
-    cos_a = tl.load(rows_c + ca[None, :] * scd, mask=mask, other=1.0).to(tl.float32)
-    cos_b = tl.load(rows_c + cb[None, :] * scd, mask=mask, other=1.0).to(tl.float32)
-    sin_a = tl.load(rows_s + ca[None, :] * ssd, mask=mask, other=0.0).to(tl.float32)
-    sin_b = tl.load(rows_s + cb[None, :] * ssd, mask=mask, other=0.0).to(tl.float32)
+    if ROPE == 1:
+        ca = tl.arange(0, HALF)
+        cb = ca + HALF
+        xa = tl.load(rows_q + ca[None, :] * sqd, mask=mask, other=0.0).to(tl.float32)
+        xb = tl.load(rows_q + cb[None, :] * sqd, mask=mask, other=0.0).to(tl.float32)
+        cos_a = tl.load(rows_c + ca[None, :] * scd, mask=mask, other=1.0).to(tl.float32)
+        cos_b = tl.load(rows_c + cb[None, :] * scd, mask=mask, other=1.0).to(tl.float32)
+        sin_a = tl.load(rows_s + ca[None, :] * ssd, mask=mask, other=0.0).to(tl.float32)
+        sin_b = tl.load(rows_s + cb[None, :] * ssd, mask=mask, other=0.0).to(tl.float32)
+    else:
+        # adjacent pairs: contiguous tiles split into even and odd channels (stride-2 loads are
+        # slow; see fusionpass.kernels.rope)
+        c = tl.arange(0, 2 * HALF)
+        xa, xb = _split_pairs(tl.load(rows_q + c[None, :] * sqd, mask=mask, other=0.0))
+        cos_a, cos_b = _split_pairs(tl.load(rows_c + c[None, :] * scd, mask=mask, other=1.0))
+        sin_a, sin_b = _split_pairs(tl.load(rows_s + c[None, :] * ssd, mask=mask, other=0.0))
     return xa * cos_a - xb * sin_a, xb * cos_b + xa * sin_b
 
 

@@ -66,11 +66,12 @@ def compare(model, train, fusions=FUSIONS, **config):
 
 @pytest.mark.parametrize("family, variant", [
     ("llama", "rotate_half"), ("qwen2", "rotate_half"),
-    # Phi-3 and GPT-J slice and re-cat even when every channel rotates (the pass-through is empty)
+    # Phi-3 and GPT-J slice and re-cat even when every channel rotates (the pass-through is empty);
+    # GPT-J's interleaved form (rotated in [B, S, H, D], permuted after) only where opted in
     ("phi3", "rotate_half_partial"), ("gptj", "interleaved_partial"),
 ])
 def test_inference(family, variant):
-    stats, misses = compare(build(family), train=False)
+    stats, misses = compare(build(family), train=False, rope_attention_interleaved=True)
     assert stats == {("attention", "eager_kernel"): LAYERS, ("rope_attention", variant): LAYERS}
     assert misses == []
 
@@ -78,9 +79,18 @@ def test_inference(family, variant):
 @pytest.mark.parametrize("family", ["llama", "gptj"])
 def test_training_opted_in(family):
     variant = "rotate_half" if family == "llama" else "interleaved_partial"
-    stats, misses = compare(build(family), train=True, rope_attention_training=True)
+    stats, misses = compare(build(family), train=True, rope_attention_training=True, rope_attention_interleaved=True)
     assert stats == {("attention", "eager_kernel"): LAYERS, ("rope_attention", variant): LAYERS}
     assert misses == []
+
+
+def test_interleaved_is_a_near_miss_by_default():
+    model = build("gptj").eval()
+    with torch.no_grad():
+        _, _, record = fused_graph(model, ids(), fusions=FUSIONS)
+    assert record.matches == {("attention", "eager_kernel"): LAYERS}
+    reasons = [r for f, _, r in record.near_misses if f == "rope_attention"]
+    assert len(reasons) == LAYERS and all(r.startswith("form: interleaved (GPT-J)") for r in reasons)
 
 
 def test_training_is_a_near_miss_by_default():
