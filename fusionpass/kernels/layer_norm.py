@@ -105,21 +105,29 @@ def _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR: tl.constexpr
 
 
 @triton.jit
-def _keep(k0, k1, o0, o1, thr, rows, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keep mask [BLOCK_M, BLOCK_N] of rows `rows` ([BLOCK_M] int32) and columns col0 + [0, BLOCK_N)
-    (col0 a multiple of 4). One Philox4x32 call per 4 neighbouring columns: counter
-    (col // 4, row, o0, o1), key (k0, k1); its output i decides column 4 * (col // 4) + i."""
-    G: tl.constexpr = BLOCK_N // 4
+def _philox_words(k0, k1, o0, o1, rows, col0, COLS_PER_CALL: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """The Philox4x32 outputs for rows `rows` ([BLOCK_M] int32) and columns col0 + [0, BLOCK_N), one
+    call per COLS_PER_CALL neighbouring columns: counter (col // COLS_PER_CALL, row, o0, o1), key
+    (k0, k1). Returned as [BLOCK_M, G, 2, 2] (G calls per row) with (j, s) = (0, 0) -> r0, (0, 1) -> r1,
+    (1, 0) -> r2, (1, 1) -> r3: its row-major flattening is r0, r1, r2, r3 of each call in turn."""
+    G: tl.constexpr = BLOCK_N // COLS_PER_CALL
     zero = tl.zeros([BLOCK_M, G], dtype=tl.uint32)
-    c0 = zero + ((col0 // 4) + tl.arange(0, G)).to(tl.uint32)[None, :]
+    c0 = zero + ((col0 // COLS_PER_CALL) + tl.arange(0, G)).to(tl.uint32)[None, :]
     c1 = zero + rows.to(tl.uint32, bitcast=True)[:, None]
     c2 = zero + o0
     c3 = zero + o1
     r0, r1, r2, r3 = tl.philox_impl(c0, c1, c2, c3, k0, k1, _N_ROUNDS)
-    # [M, G, 2, 2] with (j, s) = (0, 0) -> r0, (0, 1) -> r1, (1, 0) -> r2, (1, 1) -> r3; row-major
-    # reshape puts column 4g + 2j + s = 4g + i on output i.
-    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK_M, BLOCK_N])
-    return r >= thr
+    return tl.join(tl.join(r0, r2), tl.join(r1, r3))
+
+
+@triton.jit
+def _keep(k0, k1, o0, o1, thr, rows, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep mask [BLOCK_M, BLOCK_N] of rows `rows` ([BLOCK_M] int32) and columns col0 + [0, BLOCK_N)
+    (col0 a multiple of 4). One Philox4x32 call per 4 neighbouring columns: counter
+    (col // 4, row, o0, o1), key (k0, k1); its output i decides column 4 * (col // 4) + i."""
+    w = _philox_words(k0, k1, o0, o1, rows, col0, 4, BLOCK_M, BLOCK_N)
+    return tl.reshape(w, [BLOCK_M, BLOCK_N]) >= thr
 
 
 @triton.jit
@@ -128,16 +136,8 @@ def _keep16(k0, k1, o0, o1, thr16, rows, col0, BLOCK_M: tl.constexpr, BLOCK_N: t
     (col0 a multiple of 8): one Philox4x32 call per 8 neighbouring columns, counter
     (col // 8, row, o0, o1), key (k0, k1); the low / high 16 bits of its output w decide column
     8 * (col // 8) + 2w / 2w + 1, kept iff >= thr16."""
-    G: tl.constexpr = BLOCK_N // 8
-    zero = tl.zeros([BLOCK_M, G], dtype=tl.uint32)
-    c0 = zero + ((col0 // 8) + tl.arange(0, G)).to(tl.uint32)[None, :]
-    c1 = zero + rows.to(tl.uint32, bitcast=True)[:, None]
-    c2 = zero + o0
-    c3 = zero + o1
-    r0, r1, r2, r3 = tl.philox_impl(c0, c1, c2, c3, k0, k1, _N_ROUNDS)
-    # [M, G, 2, 2] whose row-major flattening is r0, r1, r2, r3 (as layer_norm's _keep); joining the
-    # halves last makes them the fastest index, so the flattening is w0 lo, w0 hi, w1 lo, ...
-    w = tl.join(tl.join(r0, r2), tl.join(r1, r3))
+    w = _philox_words(k0, k1, o0, o1, rows, col0, 8, BLOCK_M, BLOCK_N)
+    # joining the halves last makes them the fastest index: w0 lo, w0 hi, w1 lo, ...
     halves = tl.join(w & 0xFFFF, w >> 16)
     return tl.reshape(halves, [BLOCK_M, BLOCK_N]) >= thr16
 
