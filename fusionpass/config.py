@@ -119,54 +119,33 @@ def _split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+# Config fields with an environment override FUSIONPASS_<FIELD> (booleans: 1/true/on/yes, else off;
+# the others ints)
+_ENV_FIELDS = (
+    "cpu", "attention_runtime_check", "attention_kernel", "rms_norm_min_width", "rms_norm_max_width",
+    "rms_norm_train_max_width", "layer_norm_min_width", "layer_norm_max_width", "layer_norm_inference_min_width",
+    "layer_norm_inference_max_width", "linear_cross_entropy_min_vocab", "rope_kernel", "rope_attention_training",
+    "rope_attention_interleaved", "swiglu_mlp_kernel",
+)
+
+
 def from_env(base: Config | None = None, environ=os.environ) -> Config:
     """Apply FUSIONPASS_FUSIONS (comma list, replaces the set), FUSIONPASS_DISABLE (comma list,
-    removed from it), FUSIONPASS_CPU (1/0), FUSIONPASS_ATTENTION_RUNTIME_CHECK and
-    FUSIONPASS_ATTENTION_KERNEL (1/0), FUSIONPASS_RMS_NORM_MIN/[TRAIN_]MAX_WIDTH,
-    FUSIONPASS_LAYER_NORM_[INFERENCE_]MIN/MAX_WIDTH and FUSIONPASS_LINEAR_CROSS_ENTROPY_MIN_VOCAB
-    over `base`."""
+    removed from it) and FUSIONPASS_<FIELD> for the fields of _ENV_FIELDS (FUSIONPASS_CPU,
+    FUSIONPASS_ATTENTION_KERNEL, FUSIONPASS_RMS_NORM_MIN_WIDTH, ...) over `base`."""
     cfg = base or Config()
     if "FUSIONPASS_FUSIONS" in environ:
         cfg = cfg.replace(fusions=frozenset(_split(environ["FUSIONPASS_FUSIONS"])))
     if "FUSIONPASS_DISABLE" in environ:
         cfg = cfg.replace(fusions=cfg.fusions - frozenset(_split(environ["FUSIONPASS_DISABLE"])))
-    if "FUSIONPASS_CPU" in environ:
-        cfg = cfg.replace(cpu=environ["FUSIONPASS_CPU"].lower() in ("1", "true", "on", "yes"))
-    if "FUSIONPASS_ATTENTION_RUNTIME_CHECK" in environ:
-        value = environ["FUSIONPASS_ATTENTION_RUNTIME_CHECK"].lower()
-        cfg = cfg.replace(attention_runtime_check=value in ("1", "true", "on", "yes"))
-    if "FUSIONPASS_ATTENTION_KERNEL" in environ:
-        value = environ["FUSIONPASS_ATTENTION_KERNEL"].lower()
-        cfg = cfg.replace(attention_kernel=value in ("1", "true", "on", "yes"))
-    if "FUSIONPASS_RMS_NORM_MIN_WIDTH" in environ:
-        cfg = cfg.replace(rms_norm_min_width=int(environ["FUSIONPASS_RMS_NORM_MIN_WIDTH"]))
-    if "FUSIONPASS_RMS_NORM_MAX_WIDTH" in environ:
-        cfg = cfg.replace(rms_norm_max_width=int(environ["FUSIONPASS_RMS_NORM_MAX_WIDTH"]))
-    if "FUSIONPASS_RMS_NORM_TRAIN_MAX_WIDTH" in environ:
-        cfg = cfg.replace(rms_norm_train_max_width=int(environ["FUSIONPASS_RMS_NORM_TRAIN_MAX_WIDTH"]))
-    if "FUSIONPASS_LAYER_NORM_MIN_WIDTH" in environ:
-        cfg = cfg.replace(layer_norm_min_width=int(environ["FUSIONPASS_LAYER_NORM_MIN_WIDTH"]))
-    if "FUSIONPASS_LAYER_NORM_MAX_WIDTH" in environ:
-        cfg = cfg.replace(layer_norm_max_width=int(environ["FUSIONPASS_LAYER_NORM_MAX_WIDTH"]))
-    if "FUSIONPASS_LAYER_NORM_INFERENCE_MIN_WIDTH" in environ:
-        cfg = cfg.replace(layer_norm_inference_min_width=int(environ["FUSIONPASS_LAYER_NORM_INFERENCE_MIN_WIDTH"]))
-    if "FUSIONPASS_LAYER_NORM_INFERENCE_MAX_WIDTH" in environ:
-        cfg = cfg.replace(layer_norm_inference_max_width=int(environ["FUSIONPASS_LAYER_NORM_INFERENCE_MAX_WIDTH"]))
-    if "FUSIONPASS_LINEAR_CROSS_ENTROPY_MIN_VOCAB" in environ:
-        value = int(environ["FUSIONPASS_LINEAR_CROSS_ENTROPY_MIN_VOCAB"])
-        cfg = cfg.replace(linear_cross_entropy_min_vocab=value)
-    if "FUSIONPASS_ROPE_KERNEL" in environ:
-        value = environ["FUSIONPASS_ROPE_KERNEL"].lower()
-        cfg = cfg.replace(rope_kernel=value in ("1", "true", "on", "yes"))
-    if "FUSIONPASS_ROPE_ATTENTION_TRAINING" in environ:
-        value = environ["FUSIONPASS_ROPE_ATTENTION_TRAINING"].lower()
-        cfg = cfg.replace(rope_attention_training=value in ("1", "true", "on", "yes"))
-    if "FUSIONPASS_ROPE_ATTENTION_INTERLEAVED" in environ:
-        value = environ["FUSIONPASS_ROPE_ATTENTION_INTERLEAVED"].lower()
-        cfg = cfg.replace(rope_attention_interleaved=value in ("1", "true", "on", "yes"))
-    if "FUSIONPASS_SWIGLU_MLP_KERNEL" in environ:
-        value = environ["FUSIONPASS_SWIGLU_MLP_KERNEL"].lower()
-        cfg = cfg.replace(swiglu_mlp_kernel=value in ("1", "true", "on", "yes"))
+    for name in _ENV_FIELDS:
+        value = environ.get(f"FUSIONPASS_{name.upper()}")
+        if value is None:
+            continue
+        if isinstance(getattr(cfg, name), bool):
+            cfg = cfg.replace(**{name: value.lower() in ("1", "true", "on", "yes")})
+        else:
+            cfg = cfg.replace(**{name: int(value)})
     return cfg
 
 
