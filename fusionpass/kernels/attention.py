@@ -85,7 +85,7 @@ import triton
 import triton.language as tl
 
 from fusionpass.kernels.common import _TILE, _device_guard, _for_store, _launcher, _round
-from fusionpass.kernels.rope import _split_pairs
+from fusionpass.kernels.rope import _pair_tiles, _rotate_pairs
 from fusionpass.kernels.layer_norm import (
     _RNG_ARGS,
     _fill_keep_mask,
@@ -330,34 +330,6 @@ def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn
 
 
 @triton.jit
-def _rope_pairs(q_base, cos_base, sin_base, offs_m, row_ok, sqm, sqd, scm, scd, ssm, ssd, ROPE: tl.constexpr,
-                HALF: tl.constexpr):
-    """The rotated channels a (of each pair) and b as [BLOCK_M, HALF] fp32 tiles:
-    y_a = x_a cos_a - x_b sin_a, y_b = x_b cos_b + x_a sin_b (fusionpass.kernels.rope's map)."""
-    mask = row_ok[:, None]
-    rows_q = q_base + offs_m[:, None] * sqm
-    rows_c = cos_base + offs_m[:, None] * scm
-    rows_s = sin_base + offs_m[:, None] * ssm
-    if ROPE == 1:
-        ca = tl.arange(0, HALF)
-        cb = ca + HALF
-        xa = tl.load(rows_q + ca[None, :] * sqd, mask=mask, other=0.0).to(tl.float32)
-        xb = tl.load(rows_q + cb[None, :] * sqd, mask=mask, other=0.0).to(tl.float32)
-        cos_a = tl.load(rows_c + ca[None, :] * scd, mask=mask, other=1.0).to(tl.float32)
-        cos_b = tl.load(rows_c + cb[None, :] * scd, mask=mask, other=1.0).to(tl.float32)
-        sin_a = tl.load(rows_s + ca[None, :] * ssd, mask=mask, other=0.0).to(tl.float32)
-        sin_b = tl.load(rows_s + cb[None, :] * ssd, mask=mask, other=0.0).to(tl.float32)
-    else:
-        # adjacent pairs: contiguous tiles split into even and odd channels (stride-2 loads are
-        # slow; see fusionpass.kernels.rope)
-        c = tl.arange(0, 2 * HALF)
-        xa, xb = _split_pairs(tl.load(rows_q + c[None, :] * sqd, mask=mask, other=0.0))
-        cos_a, cos_b = _split_pairs(tl.load(rows_c + c[None, :] * scd, mask=mask, other=1.0))
-        sin_a, sin_b = _split_pairs(tl.load(rows_s + c[None, :] * ssd, mask=mask, other=0.0))
-    return xa * cos_a - xb * sin_a, xb * cos_b + xa * sin_b
-
-
-@triton.jit
 def _rope_q(q, q_base, cos_base, sin_base, offs_m, offs_d, row_ok, sqm, sqd, scm, scd, ssm, ssd,
             ROPE: tl.constexpr, ROT_DIM: tl.constexpr, HALVES: tl.constexpr, DT: tl.constexpr,
             INTERP: tl.constexpr):
@@ -371,8 +343,11 @@ def _rope_q(q, q_base, cos_base, sin_base, offs_m, offs_d, row_ok, sqm, sqd, scm
     attention on a pre-rotated q on the H200 against 2-3% for HALVES (see _FWD_ROPE_CFG)."""
     HALF: tl.constexpr = ROT_DIM // 2
     if HALVES:
-        y_a, y_b = _rope_pairs(q_base, cos_base, sin_base, offs_m, row_ok, sqm, sqd, scm, scd, ssm, ssd, ROPE,
-                               HALF)
+        # the pair tiles and the map of fusionpass.kernels.rope
+        q_a, q_b = _pair_tiles(q_base + offs_m * sqm, sqd, row_ok, HALF, HALF, ROPE == 2, "")
+        cos_a, cos_b = _pair_tiles(cos_base + offs_m * scm, scd, row_ok, HALF, HALF, ROPE == 2, "")
+        sin_a, sin_b = _pair_tiles(sin_base + offs_m * ssm, ssd, row_ok, HALF, HALF, ROPE == 2, "")
+        y_a, y_b = _rotate_pairs(q_a, q_b, cos_a, cos_b, sin_a, sin_b, False)
         # [BLOCK_M, D/2, 2]: pair p's channels side by side
         pairs = tl.join(_mm_operand(y_a, DT, INTERP), _mm_operand(y_b, DT, INTERP))
         if ROPE == 1:

@@ -34,6 +34,38 @@ def _split_pairs(x):
 
 
 @triton.jit
+def _pair_tiles(rows, stride, row_ok, HALF: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr,
+                EVICT: tl.constexpr):
+    """Channels a and b of each rotated pair p < HALF of the rows that start at pointers `rows` ([R]),
+    as two [R, BLOCK_P] fp32 tiles: a = p, b = p + HALF (rotate_half), or a = 2p, b = 2p + 1
+    (interleaved). Interleaved pairs are adjacent channels: one contiguous tile, split into even and
+    odd channels in registers (stride-2 loads measured 14x slower than Inductor on the H200)."""
+    if INTERLEAVED:
+        c = tl.arange(0, 2 * BLOCK_P)
+        mask = row_ok[:, None] & (c < 2 * HALF)[None, :]
+        a, b = _split_pairs(tl.load(rows[:, None] + c[None, :] * stride, mask=mask, other=0.0, eviction_policy=EVICT))
+    else:
+        p = tl.arange(0, BLOCK_P)
+        mask = row_ok[:, None] & (p < HALF)[None, :]
+        a = tl.load(rows[:, None] + p[None, :] * stride, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        b = tl.load(rows[:, None] + (p + HALF)[None, :] * stride, mask=mask, other=0.0,
+                    eviction_policy=EVICT).to(tl.float32)
+    return a, b
+
+
+@triton.jit
+def _rotate_pairs(xa, xb, cos_a, cos_b, sin_a, sin_b, BACKWARD: tl.constexpr):
+    """(y_a, y_b) of the rotation, or of its transpose with BACKWARD (see the module docstring)."""
+    if BACKWARD:
+        ya = xa * cos_a + xb * sin_b
+        yb = xb * cos_b - xa * sin_a
+    else:
+        ya = xa * cos_a - xb * sin_a
+        yb = xb * cos_b + xa * sin_b
+    return ya, yb
+
+
+@triton.jit
 def _rope_rows(
     x_ptr, o_ptr, cos_ptr, sin_ptr, block, n_rows, A1, A2,
     sx0, sx1, sx2, sx3,
@@ -63,47 +95,20 @@ def _rope_rows(
     s_row = i0 * ss0 + i1 * ss1 + i2 * ss2
     o_row = i0 * so0 + i1 * so1 + i2 * so2
 
-    p = tl.arange(0, BLOCK_P)
+    xa, xb = _pair_tiles(x_ptr + x_row, sx3, row_ok, HALF, BLOCK_P, INTERLEAVED, X_EVICT)
+    cos_a, cos_b = _pair_tiles(cos_ptr + c_row, sc3, row_ok, HALF, BLOCK_P, INTERLEAVED, CS_EVICT)
+    sin_a, sin_b = _pair_tiles(sin_ptr + s_row, ss3, row_ok, HALF, BLOCK_P, INTERLEAVED, CS_EVICT)
+    ya, yb = _rotate_pairs(xa, xb, cos_a, cos_b, sin_a, sin_b, BACKWARD)
     if INTERLEAVED:
-        # pairs are adjacent channels: load the rotated channels as one contiguous tile and split
-        # it into even and odd channels in registers (stride-2 loads and stores measured 14x
-        # slower than Inductor on the H200)
+        # stored as they were loaded: joined back into one contiguous tile
         c = tl.arange(0, 2 * BLOCK_P)
-        mask2 = row_ok[:, None] & (c < ROT_DIM)[None, :]
-        xa, xb = _split_pairs(tl.load(x_ptr + x_row[:, None] + c[None, :] * sx3, mask=mask2, other=0.0,
-                                      eviction_policy=X_EVICT))
-        cos_a, cos_b = _split_pairs(tl.load(cos_ptr + c_row[:, None] + c[None, :] * sc3, mask=mask2, other=0.0,
-                                            eviction_policy=CS_EVICT))
-        sin_a, sin_b = _split_pairs(tl.load(sin_ptr + s_row[:, None] + c[None, :] * ss3, mask=mask2, other=0.0,
-                                            eviction_policy=CS_EVICT))
-    else:
-        ca = p
-        cb = p + HALF
-        mask = row_ok[:, None] & (p < HALF)[None, :]
-        xa = tl.load(x_ptr + x_row[:, None] + ca[None, :] * sx3, mask=mask, other=0.0,
-                     eviction_policy=X_EVICT).to(tl.float32)
-        xb = tl.load(x_ptr + x_row[:, None] + cb[None, :] * sx3, mask=mask, other=0.0,
-                     eviction_policy=X_EVICT).to(tl.float32)
-        cos_a = tl.load(cos_ptr + c_row[:, None] + ca[None, :] * sc3, mask=mask, other=0.0,
-                        eviction_policy=CS_EVICT).to(tl.float32)
-        cos_b = tl.load(cos_ptr + c_row[:, None] + cb[None, :] * sc3, mask=mask, other=0.0,
-                        eviction_policy=CS_EVICT).to(tl.float32)
-        sin_a = tl.load(sin_ptr + s_row[:, None] + ca[None, :] * ss3, mask=mask, other=0.0,
-                        eviction_policy=CS_EVICT).to(tl.float32)
-        sin_b = tl.load(sin_ptr + s_row[:, None] + cb[None, :] * ss3, mask=mask, other=0.0,
-                        eviction_policy=CS_EVICT).to(tl.float32)
-    if BACKWARD:
-        ya = xa * cos_a + xb * sin_b
-        yb = xb * cos_b - xa * sin_a
-    else:
-        ya = xa * cos_a - xb * sin_a
-        yb = xb * cos_b + xa * sin_b
-    if INTERLEAVED:
         y = tl.reshape(tl.join(_for_store(ya, DT, ROUND_BITS), _for_store(yb, DT, ROUND_BITS)), (BLOCK_R, 2 * BLOCK_P))
-        tl.store(o_ptr + o_row[:, None] + c[None, :] * so3, y, mask=mask2)
+        tl.store(o_ptr + o_row[:, None] + c[None, :] * so3, y, mask=row_ok[:, None] & (c < ROT_DIM)[None, :])
     else:
-        tl.store(o_ptr + o_row[:, None] + ca[None, :] * so3, _for_store(ya, DT, ROUND_BITS), mask=mask)
-        tl.store(o_ptr + o_row[:, None] + cb[None, :] * so3, _for_store(yb, DT, ROUND_BITS), mask=mask)
+        p = tl.arange(0, BLOCK_P)
+        mask = row_ok[:, None] & (p < HALF)[None, :]
+        tl.store(o_ptr + o_row[:, None] + p[None, :] * so3, _for_store(ya, DT, ROUND_BITS), mask=mask)
+        tl.store(o_ptr + o_row[:, None] + (p + HALF)[None, :] * so3, _for_store(yb, DT, ROUND_BITS), mask=mask)
 
     if HEAD_DIM > ROT_DIM:
         c = ROT_DIM + tl.arange(0, BLOCK_PASS)
