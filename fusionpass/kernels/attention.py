@@ -292,6 +292,22 @@ def _dropout_rows(bh, Lq, rows):
 # Forward
 # --------------------------------------------------------------------------------------------------
 @triton.jit
+def _softmax_step(s, m_i, l_i, GUARD: tl.constexpr):
+    """One online-softmax step over base-2 scores s [M, N] (invisible entries at -inf), for the
+    running row maxima m_i and sums l_i: (p, alpha, l_i, m_new) with p = exp2(s - m_new) unnormalized
+    and alpha the factor that rescales what was accumulated before. GUARD: rows may have seen no
+    key yet (m_new = -inf): exp2(-inf - 0) = 0 there instead of exp2(-inf + inf) = NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if GUARD:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
 def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
                start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2,
                drop_rows, k0, k1, o0, o1, thr,
@@ -311,15 +327,7 @@ def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn
             kp = None
         s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, kp[None, :] if HAS_KPM else None,
                     kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, MASKED)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED or HAS_KPM:
-            # rows with nothing visible yet: exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASKED or HAS_KPM)
         if DROPOUT:
             keep = _keep16(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)

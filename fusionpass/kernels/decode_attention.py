@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusionpass.kernels.attention import _load_kv, _mm_operand, check_qkv
+from fusionpass.kernels.attention import _load_kv, _mm_operand, _softmax_step, check_qkv
 from fusionpass.kernels.common import (
     _cuda_props,
     _device_guard,
@@ -105,7 +105,7 @@ def _steps(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, kp_base, skpl, 
     K/V tiles come from attention.py's _load_kv: keys at or past kv_end read as 0 in MASKED blocks
     (a static cache's padding may hold NaN), D a power of two (no head-dim mask)."""
     d_ok = offs_d >= 0
-    # rows may see nothing yet (all keys so far masked or padded): see m_use below
+    # rows may see nothing yet (all keys so far masked or padded): see _softmax_step
     GUARD: tl.constexpr = MASKED or HAS_KPM
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
@@ -127,15 +127,7 @@ def _steps(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, kp_base, skpl, 
             s = tl.where(vis, s, float("-inf"))
         elif HAS_KPM:
             s = tl.where(keep[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if GUARD:
-            # rows with nothing visible yet: exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, GUARD)
         v = _load_kv(v_base + cols[:, None] * svn + offs_d[None, :] * svd, cols, kv_end, d_ok, MASKED, True, INTERP)
         acc = acc * alpha[:, None] + tl.dot(_mm_operand(p, DT, INTERP), v, input_precision=PREC)
         m_i = m_new
