@@ -85,6 +85,7 @@ import triton
 import triton.language as tl
 
 from fusionpass.kernels.common import _TILE, _device_guard, _for_store, _launcher, _round
+from fusionpass.kernels import rope as rope_kernels
 from fusionpass.kernels.rope import _pair_tiles, _rotate_pairs
 from fusionpass.kernels.layer_norm import (
     _RNG_ARGS,
@@ -805,7 +806,6 @@ def _aux(o: _Opts, dummy):
     return ((ptr(o.slopes), ptr(o.kpm), ptr(o.kb), ptr(o.kvlen), ptr(o.rng[0])), (*kp_strides, *kb_strides))
 
 
-ROPE_FORMS = {"rotate_half": 1, "interleaved": 2}
 _ROPE_HALVES = True  # see _rope_q; False: the partner-load form everywhere
 
 
@@ -815,21 +815,19 @@ def _rope_args(rope, q):
     if rope is None:
         return (q, q), (0,) * 8, {"ROPE": 0, "ROT_DIM": 0, "ROPE_HALVES": False}
     cos, sin, form, rotary_dim = rope
-    if form not in ROPE_FORMS:
-        raise ValueError(f"unknown RoPE form {form!r}; known: {tuple(ROPE_FORMS)}")
     D = q.shape[-1]
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim % 2 or not 0 < rotary_dim <= D:
-        raise ValueError(f"rotary_dim {rotary_dim!r} must be an even int in (0, {D}]")
+    rope_kernels.check_form(form, rotary_dim, D)
     want = (*q.shape[:3], rotary_dim)
-    strides = []
     for t, name in ((cos, "cos"), (sin, "sin")):
         if (not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != rotary_dim
                 or any(a not in (1, b) for a, b in zip(t.shape[:3], want)) or t.device != q.device
                 or not t.is_floating_point()):
             raise ValueError(f"rope {name} must be a float tensor broadcastable to {want} on q's device")
-        strides += [0 if size == 1 else st for size, st in zip(t.shape, t.stride())]
+    strides = (*rope_kernels.broadcast_strides(cos), *rope_kernels.broadcast_strides(sin))
     halves = _ROPE_HALVES and rotary_dim == D and D & (D - 1) == 0
-    return (cos, sin), tuple(strides), {"ROPE": ROPE_FORMS[form], "ROT_DIM": rotary_dim, "ROPE_HALVES": halves}
+    # ROPE 1: rotate_half, 2: interleaved (the order of fusionpass.kernels.rope.FORMS)
+    flags = {"ROPE": rope_kernels.FORMS.index(form) + 1, "ROT_DIM": rotary_dim, "ROPE_HALVES": halves}
+    return (cos, sin), strides, flags
 
 
 def attention_fwd(

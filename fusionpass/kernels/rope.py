@@ -162,7 +162,16 @@ def _reach(t: torch.Tensor, block_rows: int) -> int:
     return max(offsets, t.shape[0] * t.shape[1] * t.shape[2] + block_rows)
 
 
-def _broadcast_strides(t: torch.Tensor) -> tuple:
+def check_form(form: str, rotary_dim: int, head_dim: int) -> None:
+    """ValueError unless `form` is one of FORMS and rotary_dim an even int in (0, head_dim] (also for
+    the attention kernel's rotation of q)."""
+    if form not in FORMS:
+        raise ValueError(f"unknown RoPE form {form!r}; known: {FORMS}")
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim {rotary_dim!r} must be an even int in (0, {head_dim}]")
+
+
+def broadcast_strides(t: torch.Tensor) -> tuple:
     return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
 
 
@@ -181,13 +190,10 @@ def rope(
     """(q_out, k_out) = rotation of q and k (k may be None) in one launch; `backward` applies the
     transposed map (for gradients). Block sizes: `block_rows` rows per program, `num_warps`;
     `stream`: cache hints (q/k evicted first, cos/sin kept)."""
-    if form not in FORMS:
-        raise ValueError(f"unknown RoPE form {form!r}; known: {FORMS}")
     head_dim = int(q.shape[-1])  # a constexpr: the pattern only matches static head dims
+    check_form(form, rotary_dim, head_dim)
     if q.dim() != 4 or cos.dim() != 4 or sin.dim() != 4:
         raise ValueError("q, k, cos and sin must be 4-d")
-    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise ValueError(f"rotary_dim {rotary_dim} must be even and in (0, {head_dim}]")
     if cos.shape[-1] != rotary_dim or sin.shape[-1] != rotary_dim:
         raise ValueError(f"cos/sin last dim must be rotary_dim {rotary_dim}")
     if k is not None and k.shape[-1] != head_dim:
@@ -218,8 +224,8 @@ def rope(
             q, q_out, kk, kko, cos, sin,
             nq, q.shape[1], q.shape[2], *q.stride(), *q_out.stride(),
             nk, kk.shape[1], kk.shape[2], *kk.stride(), *kko.stride(),
-            *_broadcast_strides(cos),
-            *_broadcast_strides(sin),
+            *broadcast_strides(cos),
+            *broadcast_strides(sin),
             HEAD_DIM=head_dim, ROT_DIM=rotary_dim, INTERLEAVED=form == "interleaved",
             BACKWARD=backward, ROUND_BITS=round_bits, WIDE=reach >= _WIDE_AT, STREAM=bool(stream),
             BLOCK_R=block_rows, BLOCK_P=block_p, BLOCK_PASS=block_pass,
