@@ -97,11 +97,11 @@ class GPTJRope(nn.Module):
     """HF GPT-J: [B, S, H, D], interleaved pairs, cos/sin repeat_interleave'd; k rotated first.
     rotary_dim=None rotates every channel."""
 
-    def __init__(self, rotary_dim=8):
+    def __init__(self, rotary_dim=8, seq=S):
         super().__init__()
         self.rotary_dim = rotary_dim
         dim = rotary_dim or D
-        self.register_buffer("sincos", torch.cat((_freqs(dim).sin(), _freqs(dim).cos()), -1))
+        self.register_buffer("sincos", torch.cat((_freqs(dim, seq).sin(), _freqs(dim, seq).cos()), -1))
 
     def _apply(self, t, sin, cos):
         sin = torch.repeat_interleave(sin[:, :, None, :], 2, 3)
@@ -192,6 +192,14 @@ def test_cost_rule(monkeypatch):
     # q and k here: 2 * 64 * (4 + 2) * 16 fp32 = 48 KiB
     _, stats = compile_and_count(module, *args, fusions=[FUSION], rope_max_bytes=32 * 2**10)
     assert stats == {} and near_misses("cost: q and k hold 0.0469 MiB, over 0.0312 MiB: measured slower")
+    # the interleaved form with every channel rotated has a limit of its own (48 MiB by default)
+    module, args = GPTJRope(None, seq=64), _qk(hkv=4, seq=64)
+    _, stats = compile_and_count(module, *args, fusions=[FUSION])
+    assert stats == counts(interleaved=1)
+    _, stats = compile_and_count(module, *args, fusions=[FUSION], rope_interleaved_max_bytes=16 * 2**10)
+    assert stats == {} and near_misses("cost: q and k hold 0.0625 MiB, over 0.0156 MiB: the interleaved form")
+    _, stats = compile_and_count(GPTJRope(seq=64), *args, fusions=[FUSION], rope_interleaved_max_bytes=16 * 2**10)
+    assert stats == counts(interleaved_partial=1)  # partial rotary: the general limit
 
 
 def test_mixed_dtypes(opted_in):
