@@ -380,6 +380,12 @@ def shapes_fit(m: Match, cfg) -> str | None:
             return "head dim is symbolic"
     if b["k"] is not None and g.static_int(tensors[1].shape[-1]) != g.static_int(tensors[0].shape[-1]):
         return "q and k head dims differ"
+    return cos_sin_misfit(b, rotary_dim, tensors)
+
+
+def cos_sin_misfit(b: dict, rotary_dim: int, tensors) -> str | None:
+    """Why the bindings' cos and sin cannot rotate `tensors` (4-d, last dim rotary_dim, the first
+    three dims 1 or the tensors'), or None (also rope_attention's check)."""
     for name in ("cos", "sin"):
         c = g.tensor(b[name])
         if c is None or c.dim() != 4:

@@ -173,30 +173,14 @@ def dtypes_agree(m: Match, cfg) -> str | None:
     return None
 
 
-def _attention_layout(t: torch.Tensor, permuted: bool) -> tuple:
-    shape = tuple(t.shape)
-    return (shape[0], shape[2], shape[1], shape[3]) if permuted else shape
-
-
 def cos_sin_fit(m: Match, cfg) -> str | None:
+    """cos/sin as rope's shape guard wants them, against the unrotated q in its own layout (before
+    GPT-J's permute, where cos/sin are in that layout too)."""
     b = m.bindings
-    q = g.tensor(m.anchor.args[0])
     rotary_dim = b["rotary_dim"]
     if not isinstance(rotary_dim, int) or rotary_dim % 2:
         return f"rotary dim {rotary_dim!r} is not an even int"
-    for name in ("cos", "sin"):
-        c = g.tensor(b[name])
-        if c is None or c.dim() != 4:
-            return f"{name} is not 4-d (broadcast over [B, H, S, D] as the kernel reads it)"
-        if getattr(c, "requires_grad", False):
-            return f"{name} requires grad (the op does not differentiate cos/sin)"
-        shape = _attention_layout(c, b["permuted"])
-        if g.static_int(shape[-1]) != rotary_dim:
-            return f"{name} last dim {shape[-1]} is not the rotary dim {rotary_dim}"
-        for d in range(3):
-            if not (shape[d] == 1 or shape[d] == q.shape[d]):
-                return f"{name} of shape {tuple(c.shape)} does not broadcast over q {tuple(q.shape)}"
-    return None
+    return rope_patterns.cos_sin_misfit(b, rotary_dim, [g.tensor(b["x"])])
 
 
 def whole_head_rotated(m: Match, cfg) -> str | None:
@@ -295,6 +279,7 @@ ROPE_ATTENTION = registry.register(
             Guard("private", rotated_q_private),
             Guard("dtype", dtypes_agree),
             Guard("shape", cos_sin_fit),
+            Guard("cos_sin_grad", rope_patterns.cos_sin_constant),
             Guard("layout", whole_head_rotated),
             Guard("form", form_measured_faster),
             Guard("cost", cost_rule),
