@@ -817,12 +817,7 @@ def _rope_args(rope, q):
     cos, sin, form, rotary_dim = rope
     D = q.shape[-1]
     rope_kernels.check_form(form, rotary_dim, D)
-    want = (*q.shape[:3], rotary_dim)
-    for t, name in ((cos, "cos"), (sin, "sin")):
-        if (not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != rotary_dim
-                or any(a not in (1, b) for a, b in zip(t.shape[:3], want)) or t.device != q.device
-                or not t.is_floating_point()):
-            raise ValueError(f"rope {name} must be a float tensor broadcastable to {want} on q's device")
+    rope_kernels.check_cos_sin(cos, sin, rotary_dim, q)
     strides = (*rope_kernels.broadcast_strides(cos), *rope_kernels.broadcast_strides(sin))
     halves = _ROPE_HALVES and rotary_dim == D and D & (D - 1) == 0
     # ROPE 1: rotate_half, 2: interleaved (the order of fusionpass.kernels.rope.FORMS)

@@ -171,6 +171,19 @@ def check_form(form: str, rotary_dim: int, head_dim: int) -> None:
         raise ValueError(f"rotary_dim {rotary_dim!r} must be an even int in (0, {head_dim}]")
 
 
+def check_cos_sin(cos, sin, rotary_dim: int, *tensors: torch.Tensor) -> None:
+    """ValueError unless cos and sin are 4-d float tensors with last dim rotary_dim, on the device of
+    `tensors`, whose first three dims are 1 or those of each tensor (the kernels read them through
+    broadcast_strides, so any other size would read past them)."""
+    for t, name in ((cos, "cos"), (sin, "sin")):
+        for x in tensors:
+            want = (*x.shape[:3], rotary_dim)
+            if (not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != rotary_dim
+                    or any(a not in (1, b) for a, b in zip(t.shape[:3], want)) or t.device != x.device
+                    or not t.is_floating_point()):
+                raise ValueError(f"rope {name} must be a 4-d float tensor broadcastable to {want} on {x.device}")
+
+
 def broadcast_strides(t: torch.Tensor) -> tuple:
     return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
 
@@ -192,12 +205,11 @@ def rope(
     `stream`: cache hints (q/k evicted first, cos/sin kept)."""
     head_dim = int(q.shape[-1])  # a constexpr: the pattern only matches static head dims
     check_form(form, rotary_dim, head_dim)
-    if q.dim() != 4 or cos.dim() != 4 or sin.dim() != 4:
-        raise ValueError("q, k, cos and sin must be 4-d")
-    if cos.shape[-1] != rotary_dim or sin.shape[-1] != rotary_dim:
-        raise ValueError(f"cos/sin last dim must be rotary_dim {rotary_dim}")
+    if q.dim() != 4 or (k is not None and k.dim() != 4):
+        raise ValueError("q and k must be 4-d")
     if k is not None and k.shape[-1] != head_dim:
         raise ValueError("q and k must have the same head dim")
+    check_cos_sin(cos, sin, rotary_dim, *(t for t in (q, k) if t is not None))
     q_out = empty_out(q)
     k_out = None if k is None else empty_out(k)
     kk, kko = (q, q_out) if k is None else (k, k_out)

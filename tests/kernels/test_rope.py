@@ -108,6 +108,13 @@ def test_rejects_bad_arguments():
         rope(q, None, cos, cos, "spiral", 8)
     with pytest.raises(ValueError, match="even"):
         rope(q, None, cos[..., :7], cos[..., :7], "rotate_half", 7)
+    # cos/sin that do not broadcast over q or k would be read past their end
+    with pytest.raises(ValueError, match="rope cos"):
+        rope(q, None, cos.expand(1, 3, 3, 8), cos, "rotate_half", 8)
+    with pytest.raises(ValueError, match="rope sin"):
+        rope(q, None, cos, cos.expand(1, 3, 3, 8), "rotate_half", 8)
+    with pytest.raises(ValueError, match=r"rope cos .*\(1, 1, 2, 8\)"):  # k's positions
+        rope(q, torch.randn(1, 1, 2, 8), cos, cos, "rotate_half", 8)
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16])
