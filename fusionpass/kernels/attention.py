@@ -84,7 +84,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fusionpass.kernels.common import _TILE, _device_guard, _for_store, _launcher, _round
+from fusionpass.kernels.common import _TILE, _device_guard, _for_store, _round
+from fusionpass.kernels.launch import absent, launcher
 from fusionpass.kernels import rope as rope_kernels
 from fusionpass.kernels.rope import _pair_tiles, _rotate_pairs
 from fusionpass.kernels.layer_norm import (
@@ -796,11 +797,12 @@ def _flags(o: _Opts):
             "DROPOUT": o.dropout, "SEED_PTR": o.rng[0] is not None, "INTERP": o.interp, "PREC": o.prec}
 
 
-def _aux(o: _Opts, dummy):
-    """(SLOPES, KPM, KB, KVLEN, SEED) pointers (dummy where unused) and the strides of key_padding
-    and key_bias (0 where broadcast or unused)."""
+def _aux(o: _Opts, like):
+    """(SLOPES, KPM, KB, KVLEN, SEED) pointers (placeholders like `like` where unused,
+    fusionpass.kernels.launch says why) and the strides of key_padding and key_bias (0 where
+    broadcast or unused)."""
     def ptr(t):
-        return t if t is not None else dummy
+        return t if t is not None else absent(like)
     kp_strides = o.kpm.stride() if o.kpm is not None else (0, 0)
     kb_strides = o.kb.stride() if o.kb is not None else (0, 0, 0)
     return ((ptr(o.slopes), ptr(o.kpm), ptr(o.kb), ptr(o.kvlen), ptr(o.rng[0])), (*kp_strides, *kb_strides))
@@ -811,9 +813,9 @@ _ROPE_HALVES = True  # see _rope_q; False: the partner-load form everywhere
 
 def _rope_args(rope, q):
     """(COS, SIN) pointers, their [B, H, L, D] strides (0 where broadcast) and the ROPE/ROT_DIM
-    flags for the forward; q and zero strides without rope."""
+    flags for the forward; placeholders and zero strides without rope."""
     if rope is None:
-        return (q, q), (0,) * 8, {"ROPE": 0, "ROT_DIM": 0, "ROPE_HALVES": False}
+        return (absent(q), absent(q)), (0,) * 8, {"ROPE": 0, "ROT_DIM": 0, "ROPE_HALVES": False}
     cos, sin, form, rotary_dim = rope
     D = q.shape[-1]
     rope_kernels.check_form(form, rotary_dim, D)
@@ -887,7 +889,7 @@ def attention_fwd(
     rope_ptrs, rope_strides, rope_flags = _rope_args(rope, q)
     _, lo, hi, olo, ohi, thr, drop_scale = o.rng
     with _device_guard(q.device):
-        _launcher(_fwd_kernel, q)[(num_m * B * Hq,)](
+        launcher(_fwd_kernel, q)[(num_m * B * Hq,)](
             q, k, v, out, lse, *ptrs, *rope_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *aux_strides, *rope_strides,
             Hq, Lq, o.Lk, o.group, num_m, o.scale, o.window or 0, float(drop_scale),
@@ -954,7 +956,7 @@ def attention_bwd(
     delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     with _device_guard(q.device):
         num_m = triton.cdiv(Lq, _PRE_BLOCK_M)
-        _launcher(_bwd_pre_kernel, q)[(num_m * B * Hq,)](
+        launcher(_bwd_pre_kernel, q)[(num_m * B * Hq,)](
             out, do, delta, *out.stride(), *do.stride(), Hq, Lq, num_m,
             D=D, BLOCK_D=pad_d, BLOCK_M=_PRE_BLOCK_M, num_warps=4)
 
@@ -962,7 +964,7 @@ def attention_bwd(
         bm = _block(block_m, bm, "block_m")
         bn = _block(block_n, bn, "block_n")
         num_n = triton.cdiv(Lk, bn)
-        _launcher(_bwd_dkdv_kernel, q)[(num_n * B * Hkv,)](
+        launcher(_bwd_dkdv_kernel, q)[(num_n * B * Hkv,)](
             q, k, v, do, lse, delta, dk, dv, *ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *aux_strides,
             Hq, Hkv, Lq, Lk, o.group, num_n, o.scale, o.window or 0, float(drop_scale), *rng,
@@ -972,7 +974,7 @@ def attention_bwd(
         bm = _block(dq_block_m, bm, "dq_block_m")
         bn = _block(dq_block_n, bn, "dq_block_n")
         num_m = triton.cdiv(Lq, bm)
-        _launcher(_bwd_dq_kernel, q)[(num_m * B * Hq,)](
+        launcher(_bwd_dq_kernel, q)[(num_m * B * Hq,)](
             q, k, v, do, lse, delta, dq, *ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *aux_strides,
             Hq, Lq, Lk, o.group, num_m, o.scale, o.window or 0, float(drop_scale), *rng,

@@ -98,17 +98,6 @@ def _cuda_props(index: int) -> tuple[int, int]:
     return p.multi_processor_count, p.L2_cache_size
 
 
-def _launcher(kernel, t: torch.Tensor):
-    """The kernel as a CUDA launch that torch.compile can trace into (`wrap_triton`: Inductor then
-    launches it from its generated code, without custom-op dispatch), or as is on CPU tensors, where
-    it runs under the Triton interpreter."""
-    if t.device.type == "cuda":
-        from torch.library import wrap_triton
-
-        return wrap_triton(kernel)
-    return kernel
-
-
 def _device_guard(device: torch.device):
     # Triton launches on the current CUDA device, not on the tensors' one.
     if device.type == "cuda" and device.index is not None:

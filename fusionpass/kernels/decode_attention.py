@@ -72,8 +72,8 @@ from fusionpass.kernels.common import (
     _cuda_props,
     _device_guard,
     _for_store,
-    _launcher,
 )
+from fusionpass.kernels.launch import absent, launcher
 
 __all__ = ["HEAD_DIMS", "MAX_Q_LEN", "decode_attention", "default_num_splits"]
 
@@ -348,20 +348,20 @@ def decode_attention(
     slopes = alibi_slopes.to(torch.float32).contiguous() if alibi_slopes is not None else None
     kv_lengths = kv_lengths.contiguous()
     # the bool tensor goes to Triton as is (*i1); without it, any pointer stands in (never read)
-    kpm = key_padding if key_padding is not None else kv_lengths
+    kpm = key_padding if key_padding is not None else absent(kv_lengths)
     skpb, skpl = key_padding.stride() if key_padding is not None else (0, 0)
     o_part = torch.empty((B, Hq, Lq, num_splits, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, Hq, Lq, num_splits), dtype=torch.float32, device=q.device)
     interp = q.device.type != "cuda"
     with _device_guard(q.device):
-        _launcher(_split_kernel, q)[(num_splits, B * Hkv * row_blocks)](
-            q, k, v, o_part, lse_part, kv_lengths, slopes if slopes is not None else o_part, kpm,
+        launcher(_split_kernel, q)[(num_splits, B * Hkv * row_blocks)](
+            q, k, v, o_part, lse_part, kv_lengths, slopes if slopes is not None else absent(o_part), kpm,
             *q.stride(), *k.stride(), *v.stride(), skpb, skpl,
             Hkv, L, chunk, num_splits, row_blocks, scale,
             GROUP=group, LQ=Lq, D=D, BLOCK_M=block_m, BLOCK_N=bn, ALIBI=slopes is not None,
             HAS_KPM=key_padding is not None, INTERP=interp, PREC="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=warps, num_stages=stages)
-        _launcher(_combine_kernel, q)[(B * Hq * Lq,)](
+        launcher(_combine_kernel, q)[(B * Hq * Lq,)](
             o_part, lse_part, out, kv_lengths, Hq, L, chunk, num_splits,
             LQ=Lq, D=D, BLOCK_S=triton.next_power_of_2(num_splits), SPLIT_TILE=_SPLIT_TILE, INTERP=interp,
             num_warps=_COMBINE_WARPS)

@@ -51,12 +51,12 @@ from fusionpass.kernels.common import (
     _for_store,
     _fwd_chunk,
     _l2_programs_per_sm,
-    _launcher,
     _persistent_grid,
     _round,
     _warps_bwd,
     _warps_fwd,
 )
+from fusionpass.kernels.launch import absent, launcher
 
 __all__ = ["dropout_mask", "layer_norm_bwd", "layer_norm_fwd"]
 
@@ -566,8 +566,8 @@ def _fill_keep_mask(out: torch.Tensor, rng: tuple, block_n: int, halves: bool) -
     m, n = out.shape
     bm = max(1, _TILE // block_n)
     with _device_guard(out.device):
-        _launcher(_mask_kernel, out)[(triton.cdiv(m, bm), triton.cdiv(n, block_n))](
-            out, seed_t if seed_t is not None else out, m, n, out.stride(0), lo, hi, olo, ohi, thr,
+        launcher(_mask_kernel, out)[(triton.cdiv(m, bm), triton.cdiv(n, block_n))](
+            out, seed_t if seed_t is not None else absent(out), m, n, out.stride(0), lo, hi, olo, ohi, thr,
             SEED_PTR=seed_t is not None, HALVES=halves, BLOCK_M=bm, BLOCK_N=block_n, num_warps=4)
 
 
@@ -631,15 +631,18 @@ def _launch_fwd(x2, residual, weight, bias, eps, rng, dropout, y, h, h_is_x, mea
     m, n = x2.shape
     has_res = residual is not None
     write_h = h is not None
-    r2 = _as_2d(residual, n) if has_res else x2
+    r2 = _as_2d(residual, n) if has_res else absent(x2)
     y2 = y.view(-1, n)
-    # Without a transform h is x: pass 2 of the chunked path re-reads it from there.
-    h2 = h.view(-1, n) if write_h else x2
+    # Without a transform h is x: pass 2 of the chunked path re-reads it through H (REREAD_H), which
+    # the kernel then only reads
+    h2 = h.view(-1, n) if write_h else (x2 if h_is_x else absent(x2))
     seed_t, lo, hi, olo, ohi, thr, scale = rng
-    w = weight if weight is not None else x2  # unused pointers when the flags are off
-    b = bias if bias is not None else x2
-    args = (x2, r2, w, b, y2, h2, mean, rstd, seed_t if seed_t is not None else x2,
-            m, n, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
+    # placeholders for the pointers the flags leave unused (fusionpass.kernels.launch says why)
+    w = weight if weight is not None else absent(x2)
+    b = bias if bias is not None else absent(x2)
+    args = (x2, r2, w, b, y2, h2, mean, rstd, seed_t if seed_t is not None else absent(x2),
+            m, n, x2.stride(0), r2.stride(0) if has_res else x2.stride(0), y2.stride(0),
+            h2.stride(0) if write_h or h_is_x else x2.stride(0),
             float(eps), float(scale), lo, hi, olo, ohi, thr)
     flags = dict(HAS_RESIDUAL=has_res, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
                  DROPOUT=dropout, SEED_PTR=seed_t is not None, STORE_H=write_h,
@@ -655,7 +658,7 @@ def _launch_fwd(x2, residual, weight, bias, eps, rng, dropout, y, h, h_is_x, mea
         block_n = max(block_n, _RNG_GROUP)  # one Philox call covers 4 columns
     block_m = max(1, _TILE // block_n)
     one_pass = block_n >= n
-    _launcher(_fwd_kernel, x2)[(triton.cdiv(m, block_m),)](
+    launcher(_fwd_kernel, x2)[(triton.cdiv(m, block_m),)](
         *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass,
         num_warps=warps or _warps_fwd(block_m * block_n, one_pass))
 
@@ -731,10 +734,10 @@ def _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, nee
     m, n = h2.shape
     dev = h2.device
     dy2 = _as_2d(dy, n)
-    dh2 = _as_2d(dh, n) if dh is not None else dy2
+    dh2 = _as_2d(dh, n) if dh is not None else absent(dy2)
     dx2 = dx.view(-1, n)
-    dr2 = dr.view(-1, n) if dr is not None else dx2
-    w = weight if weight is not None else h2
+    dr2 = dr.view(-1, n) if dr is not None else absent(dx2)
+    w = weight if weight is not None else absent(h2)
     seed_t, lo, hi, olo, ohi, thr, scale = rng
     flags = dict(HAS_DH=dh is not None, HAS_WEIGHT=weight is not None, NEED_DW=need_dw, NEED_DB=need_db,
                  DROPOUT=dropout, SEED_PTR=seed_t is not None, STORE_DR=dr is not None,
@@ -743,7 +746,8 @@ def _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, nee
 
     def args(dwp, dbp):
         return (dy2, dh2, h2, mean, rstd, w, dx2, dr2, dwp, dbp, seed_t if seed_t is not None else dummy,
-                m, n, dy2.stride(0), dh2.stride(0), h2.stride(0), dx2.stride(0), dr2.stride(0),
+                m, n, dy2.stride(0), (dh2 if dh is not None else dy2).stride(0), h2.stride(0), dx2.stride(0),
+                (dr2 if dr is not None else dx2).stride(0),
                 float(scale), lo, hi, olo, ohi, thr)
 
     def partials(grid):
@@ -759,7 +763,7 @@ def _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, nee
         warps, per_sm = _bwd_plan(block_n, dropout)
         grid = _persistent_grid(per_sm, dev, triton.cdiv(m, block_m), num_programs)
         dwp, dbp = partials(grid)
-        _launcher(_bwd_kernel, h2)[(grid,)](*args(dwp, dbp), **flags, BLOCK_M=block_m, BLOCK_N=block_n,
+        launcher(_bwd_kernel, h2)[(grid,)](*args(dwp, dbp), **flags, BLOCK_M=block_m, BLOCK_N=block_n,
                                             num_warps=warps)
     else:
         block_n = max(_RNG_GROUP, min(_CHUNK, triton.next_power_of_2(limit)))
@@ -768,7 +772,7 @@ def _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, nee
         cap = _l2_programs_per_sm(dev, n * elt, _MAX_PROGRAMS_PER_SM) if dev.type == "cuda" else 1
         grid = _persistent_grid(min(cap, _programs_per_sm(warps)), dev, m, num_programs)
         dwp, dbp = partials(grid)
-        _launcher(_bwd_chunked_kernel, h2)[(grid,)](*args(dwp, dbp), **flags, BLOCK_N=block_n, num_warps=warps)
+        launcher(_bwd_chunked_kernel, h2)[(grid,)](*args(dwp, dbp), **flags, BLOCK_N=block_n, num_warps=warps)
 
     outs = []
     if need_dw:
@@ -776,10 +780,13 @@ def _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, nee
     if need_db:
         outs.append((dbp, torch.empty((n,), dtype=bias.dtype, device=dev)))
     if outs:
+        # one launch for both column sums; with one parameter the second pair is placeholders that
+        # no program reads or writes (its grid axis has one index). Passing the one pair twice made
+        # the compiled graph return an unwritten clone of the gradient (fusionpass.kernels.launch).
         p0, o0 = outs[0]
-        p1, o1 = outs[-1]
+        p1, o1 = outs[1] if len(outs) == 2 else (absent(p0), absent(o0))
         block_nr = 32
-        _launcher(_reduce_kernel, h2)[(triton.cdiv(n, block_nr), len(outs))](
+        launcher(_reduce_kernel, h2)[(triton.cdiv(n, block_nr), len(outs))](
             p0, o0, p1, o1, grid, n, ROUND_BITS=dev.type != "cuda",
             BLOCK_G=min(64, triton.next_power_of_2(grid)), BLOCK_N=block_nr, num_warps=4)
     dw = outs[0][1] if need_dw else None

@@ -25,12 +25,12 @@ from fusionpass.kernels.common import (
     _for_store,
     _fwd_chunk,
     _l2_programs_per_sm,
-    _launcher,
     _persistent_grid,
     _round,
     _warps_bwd,
     _warps_fwd,
 )
+from fusionpass.kernels.launch import absent, launcher
 
 __all__ = ["rms_norm_fwd", "rms_norm_bwd"]
 
@@ -357,11 +357,13 @@ def _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, 
     m, n = x2.shape
     has_res = residual is not None
     write_h = h is not None
-    r2 = _as_2d(residual, n) if has_res else x2
+    r2 = _as_2d(residual, n) if has_res else absent(x2)
     y2 = y.view(-1, n)
-    h2 = h.view(-1, n) if write_h else x2
-    w = weight if weight is not None else x2  # unused pointer when HAS_WEIGHT is False
-    args = (x2, r2, w, y2, h2, rstd, m, n, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
+    h2 = h.view(-1, n) if write_h else absent(x2)
+    # placeholders for the pointers the flags leave unused (fusionpass.kernels.launch says why)
+    w = weight if weight is not None else absent(x2)
+    args = (x2, r2, w, y2, h2, rstd, m, n, x2.stride(0), r2.stride(0) if has_res else x2.stride(0), y2.stride(0),
+            h2.stride(0) if write_h else x2.stride(0),
             float(eps), float(weight_offset))
     flags = dict(HAS_RESIDUAL=has_res, HAS_WEIGHT=weight is not None,
                  WEIGHT_AFTER_CAST=bool(weight_after_cast), STORE_H=write_h,
@@ -370,7 +372,7 @@ def _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, 
     block_n = _fwd_chunk(n) if max_chunk is None else min(triton.next_power_of_2(n), max_chunk)
     block_m = max(1, _TILE // block_n)
     one_pass = block_n >= n
-    _launcher(_fwd_kernel, x2)[(triton.cdiv(m, block_m),)](
+    launcher(_fwd_kernel, x2)[(triton.cdiv(m, block_m),)](
         *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass,
         num_warps=_warps_fwd(block_m * block_n, one_pass))
 
@@ -424,16 +426,17 @@ def _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, n
                 num_programs):
     m, n = h2.shape
     dy2 = _as_2d(dy, n)
-    dh2 = _as_2d(dh, n) if dh is not None else dy2
+    dh2 = _as_2d(dh, n) if dh is not None else absent(dy2)
     dx2 = dx.view(-1, n)
-    w = weight if weight is not None else h2
+    w = weight if weight is not None else absent(h2)
     flags = dict(HAS_DH=dh is not None, HAS_WEIGHT=weight is not None,
                  WEIGHT_AFTER_CAST=bool(weight_after_cast), NEED_DW=need_dw,
                  ROUND_BITS=h.device.type != "cuda")
     dummy = torch.empty((1,), dtype=torch.float32, device=h.device)
 
     def args(dwp):
-        return (dy2, dh2, h2, rstd, w, dx2, dwp, m, n, dy2.stride(0), dh2.stride(0), h2.stride(0),
+        return (dy2, dh2, h2, rstd, w, dx2, dwp, m, n, dy2.stride(0), (dh2 if dh is not None else dy2).stride(0),
+                h2.stride(0),
                 dx2.stride(0), float(weight_offset))
 
     max_fused = MAX_FUSED_BWD if max_fused is None else max_fused
@@ -444,7 +447,7 @@ def _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, n
         per_sm = min(_MAX_PROGRAMS_PER_SM, _programs_per_sm(warps))
         grid = _persistent_grid(per_sm, h.device, triton.cdiv(m, block_m), num_programs)
         dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else dummy
-        _launcher(_bwd_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
+        launcher(_bwd_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
     else:
         block_n = _chunk(max_fused)
         consts = dict(flags, BLOCK_N=block_n)
@@ -453,13 +456,13 @@ def _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, n
         cap = _l2_programs_per_sm(h.device, row_bytes, _MAX_PROGRAMS_PER_SM) if h.device.type == "cuda" else 1
         grid = _persistent_grid(min(cap, _programs_per_sm(warps)), h.device, m, num_programs)
         dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else dummy
-        _launcher(_bwd_chunked_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
+        launcher(_bwd_chunked_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
 
     if not need_dw:
         return None
     dw = torch.empty((n,), dtype=weight.dtype, device=h.device)
     block_g = min(64, triton.next_power_of_2(grid))
     block_nr = 32
-    _launcher(_dw_reduce_kernel, h2)[(triton.cdiv(n, block_nr),)](
+    launcher(_dw_reduce_kernel, h2)[(triton.cdiv(n, block_nr),)](
         dwp, dw, grid, n, ROUND_BITS=h.device.type != "cuda", BLOCK_G=block_g, BLOCK_N=block_nr, num_warps=4)
     return dw

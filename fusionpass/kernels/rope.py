@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fusionpass.kernels.common import _device_guard, _for_store, _launcher
+from fusionpass.kernels.common import _device_guard, _for_store
+from fusionpass.kernels.launch import absent, launcher
 
 
 @triton.jit
@@ -212,7 +213,10 @@ def rope(
     check_cos_sin(cos, sin, rotary_dim, *(t for t in (q, k) if t is not None))
     q_out = empty_out(q)
     k_out = None if k is None else empty_out(k)
+    # one tensor: k's pointers are placeholders (no program has a k row); q's own tensors in their
+    # place made the compiled graph return an unwritten clone of q_out (fusionpass.kernels.launch)
     kk, kko = (q, q_out) if k is None else (k, k_out)
+    k_ptr, ko_ptr = (absent(q), absent(q_out)) if k is None else (k, k_out)
     nq = q.shape[0] * q.shape[1] * q.shape[2]
     nk = 0 if k is None else k.shape[0] * k.shape[1] * k.shape[2]
     block_p = triton.next_power_of_2(rotary_dim // 2)
@@ -232,8 +236,8 @@ def rope(
     reach = max(_reach(t, block_rows) for t in (q, q_out, kk, kko, cos, sin))
     round_bits = q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") == "1"
     with _device_guard(q.device):
-        _launcher(_rope_kernel, q)[grid](
-            q, q_out, kk, kko, cos, sin,
+        launcher(_rope_kernel, q)[grid](
+            q, q_out, k_ptr, ko_ptr, cos, sin,
             nq, q.shape[1], q.shape[2], *q.stride(), *q_out.stride(),
             nk, kk.shape[1], kk.shape[2], *kk.stride(), *kko.stride(),
             *broadcast_strides(cos),

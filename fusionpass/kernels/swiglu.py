@@ -23,9 +23,9 @@ from fusionpass.kernels.common import (
     _as_2d,
     _device_guard,
     _for_store,
-    _launcher,
     _round,
 )
+from fusionpass.kernels.launch import absent, launcher
 
 __all__ = ["ACTIVATIONS", "DECODE_MAX_M", "DEFAULTS", "act_mul_bwd", "act_mul_fwd", "swiglu_decode_fwd"]
 
@@ -212,11 +212,12 @@ def swiglu_decode_fwd(
     block_k = block_k or DEFAULTS["decode_block_k"]
     block_m = max(16, triton.next_power_of_2(m))  # tl.dot needs 16 rows at least
     on_gpu = x.device.type == "cuda"
-    bias = (b_gate, b_up) if b_gate is not None else (wg, wu)  # unused pointers without a bias
+    # placeholders for the pointers the flags leave unused (fusionpass.kernels.launch says why)
+    bias = (b_gate, b_up) if b_gate is not None else (absent(wg), absent(wu))
     with _device_guard(x.device):
-        _launcher(_decode_kernel, x2)[(triton.cdiv(n, block_n),)](
+        launcher(_decode_kernel, x2)[(triton.cdiv(n, block_n),)](
             x2, wg, bias[0], wu, bias[1], h2,
-            g.view(-1, n) if store_gu else h2, u.view(-1, n) if store_gu else h2,
+            g.view(-1, n) if store_gu else absent(h2), u.view(-1, n) if store_gu else absent(h2),
             m, n, k, x2.stride(0), wg.stride(0), wu.stride(0), h2.stride(0),
             HAS_BIAS=b_gate is not None, ACT=act, STORE_GU=store_gu, UPCAST=not on_gpu,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ROUND_BITS=not on_gpu,
@@ -229,7 +230,7 @@ def swiglu_decode_fwd(
 def _elementwise_launch(kernel, tensors, numel, act, device, block, num_warps):
     block = block or DEFAULTS["elementwise_block"]
     with _device_guard(device):
-        _launcher(kernel, tensors[0])[(triton.cdiv(numel, block),)](
+        launcher(kernel, tensors[0])[(triton.cdiv(numel, block),)](
             *tensors, numel, ACT=act, ROUND_BITS=device.type != "cuda", BLOCK=block,
             num_warps=num_warps or DEFAULTS["elementwise_num_warps"],
         )

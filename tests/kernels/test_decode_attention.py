@@ -233,7 +233,7 @@ def test_key_padding_all_true_and_launch():
     ones = decode_attention(q, k, v, lens, block_n=16, num_splits=2, key_padding=torch.ones(B, L, dtype=torch.bool))
     torch.testing.assert_close(ones, plain, rtol=0, atol=0)
     launches = []
-    real = DA._launcher
+    real = DA.launcher
 
     def record(kernel, t):
         launch = real(kernel, t)
@@ -246,12 +246,12 @@ def test_key_padding_all_true_and_launch():
                 return run
         return Grid()
 
-    DA._launcher, saved = record, DA._launcher
+    DA.launcher, saved = record, DA.launcher
     try:
         for kp in (torch.ones(B, L, dtype=torch.bool), padding(L, lens, [("left", 30), ("holes", 0.5)])):
             decode_attention(q, k, v, lens, block_n=16, num_splits=2, key_padding=kp)
     finally:
-        DA._launcher = saved
+        DA.launcher = saved
     assert launches[0::2] == [launches[0]] * 2 and launches[1::2] == [launches[1]] * 2
     assert launches[0][2]["HAS_KPM"] is True
 
@@ -292,7 +292,7 @@ def test_launch_depends_on_shapes_only(monkeypatch):
                 return self.kernel[grid](*args, **kw)
             return launch
 
-    monkeypatch.setattr(DA, "_launcher", lambda kernel, t: Recorder(kernel))
+    monkeypatch.setattr(DA, "launcher", lambda kernel, t: Recorder(kernel))
     B, Hq, Hkv, Lq, L, D = 2, 4, 1, 1, 300, 64
     q, k, v = rnd((B, Hq, Lq, D), F32), rnd((B, Hkv, L, D), F32), rnd((B, Hkv, L, D), F32)
     for lens in ([300, 300], [1, 0], [37, 200]):

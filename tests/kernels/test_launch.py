@@ -1,0 +1,61 @@
+"""fusionpass.kernels.launch: a launch whose written argument shares memory with another argument
+is refused (under torch.compile one of the two would come back as an unwritten clone), judged by
+torch's own analysis of the kernel, also under the CPU interpreter."""
+import pytest
+import torch
+
+from fusionpass.kernels import layer_norm as LN
+from fusionpass.kernels.launch import check_private_outputs, launcher, written_arguments
+from fusionpass.kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
+from fusionpass.kernels.rope import rope
+
+
+def _reduce_args(p0, o0, p1, o1):
+    return dict(P0=p0, OUT0=o0, P1=p1, OUT1=o1, G=4, N=8, ROUND_BITS=True, BLOCK_G=4, BLOCK_N=32)
+
+
+def test_analysis_finds_the_written_arguments():
+    # torch's TTIR analysis, not its all-tensors fallback: the partials are read, the outputs written
+    args = _reduce_args(torch.empty(4, 8), torch.empty(8), torch.empty(4, 8), torch.empty(8))
+    assert written_arguments(LN._reduce_kernel, args) == {"OUT0", "OUT1"}
+
+
+def test_a_written_argument_passed_twice_is_refused():
+    # the LayerNorm backward's column sums used to pass its one gradient buffer as both outputs
+    # when the LayerNorm had a weight and no bias: the compiled graph returned uninitialized memory
+    p, o = torch.randn(4, 8), torch.empty(8)
+    with pytest.raises(RuntimeError, match="OUT0, which the kernel writes, shares memory with argument OUT1|"
+                                           "OUT1, which the kernel writes, shares memory with argument OUT0"):
+        check_private_outputs(LN._reduce_kernel, _reduce_args(p, o, p, o))
+    with pytest.raises(RuntimeError, match="shares memory"):
+        launcher(LN._reduce_kernel, p)[(1, 1)](p, o, p[:1], o[:4], 4, 8, ROUND_BITS=True, BLOCK_G=4, BLOCK_N=32)
+
+
+def test_read_only_arguments_may_share_memory():
+    p, o0, o1 = torch.randn(4, 8), torch.empty(8), torch.empty(8)
+    check_private_outputs(LN._reduce_kernel, _reduce_args(p, o0, p, o1))
+
+
+@pytest.mark.parametrize("has_weight,has_bias", [(True, False), (False, True), (False, False)])
+def test_layer_norm_backward_with_a_missing_parameter(has_weight, has_bias):
+    x = torch.randn(37, 100)
+    w = torch.randn(100) if has_weight else None
+    b = torch.randn(100) if has_bias else None
+    y, h, mean, rstd = layer_norm_fwd(x, torch.randn(37, 100), w, b, 1e-5)
+    dy = torch.randn_like(y)
+    _, _, dw, db = layer_norm_bwd(dy, None, h, mean, rstd, w, b)
+    xhat = (h - mean[:, None]) * rstd[:, None]
+    if has_weight:
+        torch.testing.assert_close(dw, (dy * xhat).sum(0), rtol=1e-4, atol=1e-4)
+    if has_bias:
+        torch.testing.assert_close(db, dy.sum(0), rtol=1e-4, atol=1e-4)
+
+
+def test_rope_of_one_tensor():
+    # rope_attention leaves k's rotation as a one-tensor call; it used to pass q's tensors as k's
+    q = torch.randn(2, 3, 17, 64)
+    cos, sin = torch.randn(1, 1, 17, 64), torch.randn(1, 1, 17, 64)
+    out, none = rope(q, None, cos, sin, "rotate_half", 64)
+    ref = q * cos + torch.cat((-q[..., 32:], q[..., :32]), -1) * sin
+    assert none is None
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
