@@ -173,6 +173,17 @@ _WRITTEN: dict = {}
 _CUDA_FLAGS = {"ROUND_BITS": False, "INTERP": False, "UPCAST": False}
 
 
+def _mutated(kernel, kwargs) -> list[str]:
+    """The argument names Inductor's functionalization clones for this launch (torch >= 2.13:
+    identify_accessed_tensors; torch 2.11/2.12: identify_mutated_tensors)."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+    if hasattr(wrap, "identify_accessed_tensors"):
+        accesses = wrap.identify_accessed_tensors(kernel, kwargs, {})
+        return [d.name for d in accesses.read_writes.writes]
+    return list(wrap.identify_mutated_tensors(kernel, kwargs, {}))
+
+
 def written_arguments(kernel, kwargs: dict) -> frozenset[str]:
     """Names of the tensor arguments the kernel stores to with these arguments (constexpr flags
     decide which stores exist), by torch's own analysis; every tensor argument where the analysis
@@ -180,13 +191,10 @@ def written_arguments(kernel, kwargs: dict) -> frozenset[str]:
     tensors = frozenset(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
     key = (kernel, tuple(sorted((k, _key(v)) for k, v in kwargs.items())))
     if key not in _WRITTEN:
-        from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
-
         try:
             with _cuda_target(), _jit_functions(kernel) as jitted:
                 args = {k: _CUDA_FLAGS.get(k, _concrete(v)) for k, v in kwargs.items()}
-                accesses = identify_accessed_tensors(jitted, args, {})
-            _WRITTEN[key] = frozenset(d.name for d in accesses.read_writes.writes) & tensors
+                _WRITTEN[key] = frozenset(_mutated(jitted, args)) & tensors
         except Exception:  # noqa: BLE001 -- Inductor's own fallback: every tensor may be written
             _WRITTEN[key] = tensors
     return _WRITTEN[key]
