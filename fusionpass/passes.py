@@ -39,10 +39,23 @@ from fusionpass.config import Config
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
 
+# Package files that decide no compiled code: the command line, reports, demo models and the
+# conformance suite. They stay out of the digest, which is both the FX-cache key and the key the
+# committed GPU conformance result must carry (fusionpass.conformance.gate), so editing a report
+# or adding a conformance case neither invalidates users' caches nor the last GPU run.
+_NOT_COMPILED = ("cli.py", "explain.py", "bench.py", "demo.py", "conformance/")
+
+
+def digest_files() -> list[pathlib.Path]:
+    """The source files the digest covers: patterns, kernels, ops, config and this machinery."""
+    return [p for p in sorted(_PACKAGE_DIR.rglob("*.py"))
+            if not p.relative_to(_PACKAGE_DIR).as_posix().startswith(_NOT_COMPILED)]
+
+
 def _source_digest() -> str:
-    """sha256 of every source file of the package: patterns, kernels, ops and this machinery."""
+    """sha256 of `digest_files()`, names and contents."""
     h = hashlib.sha256()
-    for path in sorted(_PACKAGE_DIR.rglob("*.py")):
+    for path in digest_files():
         h.update(str(path.relative_to(_PACKAGE_DIR)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
@@ -90,6 +103,14 @@ class _Statistics:
         out: Counter = Counter()
         for r in self.records:
             out.update(r.matches)
+        return out
+
+    @property
+    def searches(self) -> Counter:
+        """Matches per (fusion, declared Variant.name)."""
+        out: Counter = Counter()
+        for r in self.records:
+            out.update(r.searches)
         return out
 
     @property

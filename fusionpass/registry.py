@@ -73,11 +73,16 @@ class Record:
 
     compile_id: str | None = None  # Dynamo's compile id (frame and recompile, not the attempt)
     matches: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    # the same matches by (fusion, Variant.name): which declared search found them (a search may
+    # report finer variant names in its Match, e.g. rope's "rotate_half_partial")
+    searches: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     near_misses: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
 
-    def matched(self, fusion: str, variant: str) -> None:
+    def matched(self, fusion: str, variant: str, search: str | None = None) -> None:
         key = (fusion, variant)
         self.matches[key] = self.matches.get(key, 0) + 1
+        if search is not None:
+            self.searches[(fusion, search)] = self.searches.get((fusion, search), 0) + 1
 
     def missed(self, fusion: str, node: fx.Node, reason: str) -> None:
         self.near_misses.append((fusion, where(node), reason))
@@ -119,9 +124,10 @@ def apply(fusion: Fusion, graph: fx.Graph, config: Config, record: Record) -> in
     for node in list(graph.nodes):
         if _is_erased(node) or not fusion.anchor(node):
             continue
-        match = None
+        match = found_by = None
         try:
-            for variant in fusion.variants:
+            for found_by in fusion.variants:
+                variant = found_by
                 if variant.when is not None and not variant.when(config):
                     continue
                 match = variant.search(node)
@@ -145,6 +151,6 @@ def apply(fusion: Fusion, graph: fx.Graph, config: Config, record: Record) -> in
             record.missed(fusion.name, node, reason)
             continue
         fusion.replace(graph, match, config)
-        record.matched(fusion.name, match.variant)
+        record.matched(fusion.name, match.variant, found_by.name)
         count += 1
     return count
