@@ -146,6 +146,14 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_list)
 
+    sub.add_parser("check", add_help=False,
+                   help="the GPU conformance suite (fusionpass check --help); writes benchmarks/results/conformance.json")
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["check"]:
+        from fusionpass.conformance.__main__ import main as check
+
+        return check(argv[1:])
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,170 @@
+"""`python -m fusionpass.conformance` (also `fusionpass check`): run the conformance cases, print a
+table, write the result file the CPU gate reads (fusionpass.conformance.gate).
+
+Cases run in `--jobs` worker processes (compiling dominates; the GPU is shared), each with
+uninitialized memory filled with NaN.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+DEFAULT_OUT = "benchmarks/results/conformance.json"
+
+
+def _nan_fill() -> None:
+    import torch
+
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def _selected(only: list[str] | None):
+    from fusionpass.conformance import all_cases
+
+    cases = all_cases()
+    if only:
+        cases = [c for c in cases if any(c.name.startswith(p) for p in only)]
+    return cases
+
+
+def _worker(args) -> int:
+    import warnings
+
+    _nan_fill()
+    warnings.filterwarnings("ignore")
+    from fusionpass.conformance import run_case
+
+    cases = _selected(args.only)[args.worker::args.jobs]
+    results = []
+    for case in cases:
+        t0 = time.perf_counter()
+        if args.device == "cpu":
+            import dataclasses
+
+            case = dataclasses.replace(case, config={**case.config, "cpu": True})
+        r = run_case(case, args.device)
+        r["seconds"] = round(time.perf_counter() - t0, 2)
+        results.append(r)
+        print(f"[{args.worker}] {'PASS' if r['passed'] else 'FAIL'} {r['name']} {r.get('reason', '')}", flush=True)
+        pathlib.Path(args.out).write_text(json.dumps(results))
+    pathlib.Path(args.out).write_text(json.dumps(results))
+    return 0
+
+
+def environment(device: str) -> dict:
+    import torch
+    import triton
+
+    from fusionpass.passes import source_digest
+
+    env = {"torch": torch.__version__, "triton": triton.__version__, "source_digest": source_digest(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": device}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        env["transformers"] = None
+    env["gpu"] = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else None
+    return env
+
+
+def summary(results: list[dict]) -> dict:
+    out: dict = {}
+    for r in results:
+        s = out.setdefault(r["fusion"], {"cases": 0, "passed": 0, "variants": []})
+        s["cases"] += 1
+        s["passed"] += bool(r["passed"])
+        if r["variant"] not in s["variants"]:
+            s["variants"].append(r["variant"])
+    return out
+
+
+def _table(results: list[dict]) -> str:
+    lines = [f"{'case':86s} {'ok':4s} {'fusionpass':>10s} {'plain':>10s}  worst tensor"]
+    for r in results:
+        w = r.get("worst") or {}
+        lines.append(f"{r['name'][:86]:86s} {'ok' if r['passed'] else 'FAIL':4s} "
+                     f"{w.get('fusionpass', float('nan')):10.2e} {w.get('plain', float('nan')):10.2e}  "
+                     f"{w.get('tensor', '')}" + ("" if r["passed"] else f"  <- {r.get('reason', '')[:200]}"))
+    lines.append("")
+    for fusion, s in summary(results).items():
+        lines.append(f"{fusion:28s} {s['passed']}/{s['cases']} passed, variants: {', '.join(s['variants'])}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="fusionpass check", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--only", nargs="*", help="case-name prefixes (default: every case)")
+    p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--rerun-failed", metavar="RESULT", default=None,
+                   help="run only the cases that failed or are missing in RESULT (a result file of the same "
+                        "source digest) and keep its passing ones")
+    p.add_argument("--parts-dir", default=None, help="keep each worker's results here (default: a temporary folder)")
+    p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker is not None:
+        return _worker(args)
+
+    t0 = time.perf_counter()
+    kept, selection = [], args.only
+    if args.rerun_failed:
+        from fusionpass.passes import source_digest
+
+        previous = json.loads(pathlib.Path(args.rerun_failed).read_text())
+        if previous.get("source_digest") != source_digest():
+            raise SystemExit(f"{args.rerun_failed} is of another source digest: run every case")
+        kept = [r for r in previous["cases"] if r["passed"] and r["name"] in {c.name for c in _selected(selection)}]
+        done = {r["name"] for r in kept}
+        args.only = [c.name for c in _selected(args.only) if c.name not in done]
+        if not args.only:
+            args.only = ["(none)"]
+    n = len(_selected(args.only))
+    jobs = max(1, min(args.jobs, n))
+    with (tempfile.TemporaryDirectory(prefix="fusionpass-check-") if args.parts_dir is None
+          else contextlib.nullcontext(args.parts_dir)) as tmp:
+        os.makedirs(tmp, exist_ok=True)
+        env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1")
+        procs, parts = [], []
+        for i in range(jobs):
+            part = os.path.join(tmp, f"part{i}.json")
+            parts.append(part)
+            cmd = [sys.executable, "-m", "fusionpass.conformance", "--worker", str(i), "--jobs", str(jobs),
+                   "--device", args.device, "--out", part] + (["--only", *args.only] if args.only else [])
+            procs.append(subprocess.Popen(cmd, env=env))
+        codes = [proc.wait() for proc in procs]
+        results = []
+        for part in parts:
+            if os.path.exists(part):
+                results.extend(json.loads(pathlib.Path(part).read_text()))
+    results.extend(kept)
+    ran = {r["name"] for r in results}
+    missing = [c.name for c in _selected(selection) if c.name not in ran]
+    for name in missing:  # a worker died before reaching them
+        results.append({"name": name, "fusion": name.split("/")[0], "variant": name.split("/")[1],
+                        "passed": False, "reason": f"not run (worker exit codes {codes})"})
+    results.sort(key=lambda r: r["name"])
+    report = {**environment(args.device), "command": " ".join(["fusionpass check", *(argv or sys.argv[1:])]),
+              "seconds": round(time.perf_counter() - t0, 1), "summary": summary(results), "cases": results}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(_table(results))
+    failed = sum(not r["passed"] for r in results)
+    print(f"\n{len(results) - failed}/{len(results)} cases passed in {report['seconds']} s -> {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Conformance cases on small real Hugging Face models: 2 layers at real widths, random weights,
+bf16, training (loss, logits and every parameter's gradient) and inference (logits), against the
+float64 eager model. Each also pins its match counts, so a route that stops matching fails.
+
+Dropout probabilities are 0 (a float64 reference cannot draw the compiled graph's masks; the
+dropout paths have their own cases in cases_norms). Sequence lengths are odd on purpose.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from fusionpass.conformance import Case
+
+_NO_DROPOUT = dict(attention_dropout=0.0, hidden_dropout=0.0)
+
+
+class _LM(nn.Module):
+    """model(input_ids, labels) -> (loss, logits), the way a training loop calls it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        out = self.model(input_ids=input_ids, labels=labels)
+        return out.loss, out.logits
+
+
+def _make(config_name, model_class, attn, batch, seq, vocab, masked_lm, config):
+    def make(dtype, device):
+        import transformers
+
+        cfg = getattr(transformers, config_name)(vocab_size=vocab, **config)
+        cfg._attn_implementation = attn
+        model = getattr(transformers, model_class).from_config(cfg).to(device, dtype)  # Auto* classes
+        ids = torch.randint(1, vocab, (batch, seq), device=device)
+        labels = ids.clone()
+        if masked_lm:  # score about 15% of the positions, as an MLM collator does
+            labels[torch.rand(ids.shape, device=device) > 0.15] = -100
+        return _LM(model), (ids, labels)
+
+    return make
+
+
+def _llama_like(hidden=2048, heads=16, kv_heads=4, head_dim=128, ffn=5632):
+    return dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=1024, pad_token_id=0,
+                attention_dropout=0.0)
+
+
+# name -> (config class, model class, attention implementation, batch, seq, vocab, masked LM,
+#          config, {train: expected matches, infer: expected matches})
+MODELS = {
+    "llama": ("LlamaConfig", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False, _llama_like(), {}),
+    # the model the rope_attention bug was seen on (eager attention, 16/4 heads, head dim 128)
+    "llama-eager": ("LlamaConfig", "AutoModelForCausalLM", "eager", 4, 512, 32000, False, _llama_like(), {}),
+    "mistral": ("MistralConfig", "AutoModelForCausalLM", "sdpa", 2, 257, 32000, False,
+                dict(_llama_like(), sliding_window=None), {}),
+    "qwen2": ("Qwen2Config", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False, _llama_like(), {}),
+    "qwen3": ("Qwen3Config", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False, _llama_like(), {}),
+    "phi3": ("Phi3Config", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False,
+             dict(_llama_like(kv_heads=16), resid_pdrop=0.0, embd_pdrop=0.0), {}),
+    "gemma": ("GemmaConfig", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False,
+              dict(_llama_like(head_dim=128), hidden_activation="gelu_pytorch_tanh"), {}),
+    "gpt2-eager": ("GPT2Config", "AutoModelForCausalLM", "eager", 4, 513, 32000, False,
+                   dict(n_embd=768, n_layer=2, n_head=12, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0), {}),
+    "gpt2-sdpa": ("GPT2Config", "AutoModelForCausalLM", "sdpa", 4, 513, 32000, False,
+                  dict(n_embd=768, n_layer=2, n_head=12, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
+                       attn_pdrop=0.0, bos_token_id=0, eos_token_id=0), {}),
+    "bert": ("BertConfig", "AutoModelForMaskedLM", "sdpa", 4, 509, 30522, True,
+             dict(hidden_size=768, num_hidden_layers=2, num_attention_heads=12, intermediate_size=3072,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), {}),
+    "modernbert": ("ModernBertConfig", "AutoModelForMaskedLM", "sdpa", 4, 509, 32000, True,
+                   dict(hidden_size=768, intermediate_size=1152, num_hidden_layers=2, num_attention_heads=12,
+                        attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0, pad_token_id=0,
+                        max_position_embeddings=1024), {}),
+    "bloom": ("BloomConfig", "AutoModelForCausalLM", "eager", 2, 301, 32000, False,
+              dict(hidden_size=1024, n_layer=2, n_head=16, **_NO_DROPOUT), {}),
+    "falcon-alibi": ("FalconConfig", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False,
+                     dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, alibi=True,
+                          new_decoder_architecture=False, multi_query=False, **_NO_DROPOUT), {}),
+    "gpt-neox": ("GPTNeoXConfig", "AutoModelForCausalLM", "eager", 2, 301, 32000, False,
+                 dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, intermediate_size=4096,
+                      rotary_pct=0.25, max_position_embeddings=1024, **_NO_DROPOUT), {}),
+    "gptj": ("GPTJConfig", "AutoModelForCausalLM", "eager", 2, 301, 32000, False,
+             dict(n_embd=1024, n_layer=2, n_head=16, rotary_dim=64, n_positions=1024, resid_pdrop=0,
+                  embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0), {}),
+    "opt": ("OPTConfig", "AutoModelForCausalLM", "eager", 2, 301, 32000, False,
+            dict(hidden_size=1024, num_hidden_layers=2, ffn_dim=4096, num_attention_heads=16, dropout=0.0,
+                 attention_dropout=0.0, layerdrop=0.0, max_position_embeddings=1024, word_embed_proj_dim=1024),
+            {}),
+}
+
+# Exact match counts per model and mode (fusionpass.stats()), as compiled on torch 2.11/2.13 with
+# transformers 5.17 and the default config. A change here is a change of what fusionpass compiles.
+EXPECT: dict[tuple[str, bool], dict[str, int]] = {
+    ("bert", False): {'attention': 2},
+    ("bert", True): {'layer_norm_dropout_residual': 4, 'attention': 2},
+    ("modernbert", False): {'attention': 1},
+    ("modernbert", True): {'layer_norm_dropout_residual': 4, 'attention': 1},
+    ("bloom", False): {'attention': 2, 'attention_out_proj': 2},
+    ("bloom", True): {'layer_norm_dropout_residual': 4, 'attention': 2, 'attention_out_proj': 2},
+    ("falcon-alibi", False): {'attention': 2, 'attention_out_proj': 2},
+    ("falcon-alibi", True): {'attention': 2, 'attention_out_proj': 2},
+    ("gemma", False): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2},
+    ("gemma", True): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2},
+    ("gpt-neox", False): {'rope': 2, 'attention': 2, 'attention_out_proj': 2},
+    ("gpt-neox", True): {'rope': 2, 'attention': 2, 'attention_out_proj': 2},
+    ("gpt2-eager", False): {'attention': 2, 'attention_out_proj': 2},
+    ("gpt2-eager", True): {'layer_norm_dropout_residual': 4, 'attention': 2, 'attention_out_proj': 2},
+    ("gpt2-sdpa", False): {'attention': 2},
+    ("gpt2-sdpa", True): {'layer_norm_dropout_residual': 4, 'attention': 2},
+    ("gptj", False): {'rope': 2},
+    ("gptj", True): {'rope': 2},
+    ("llama-eager", False): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2, 'rope_attention': 2, 'attention_out_proj': 2},
+    ("llama-eager", True): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2, 'attention_out_proj': 2},
+    ("llama", False): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2},
+    ("llama", True): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2},
+    ("mistral", False): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2},
+    ("mistral", True): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2},
+    ("opt", False): {'attention': 2, 'attention_out_proj': 2},
+    ("opt", True): {'layer_norm_dropout_residual': 2},
+    ("phi3", False): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2},
+    ("phi3", True): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2},
+    ("qwen2", False): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2},
+    ("qwen2", True): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2},
+    ("qwen3", False): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2},
+    ("qwen3", True): {'rms_norm_residual': 5, 'rope': 2, 'attention': 2},
+}
+
+CASES = []
+for _name, (_cfg, _cls, _attn, _b, _s, _v, _mlm, _config, _) in MODELS.items():
+    for _train in (True, False):
+        _expect = EXPECT.get((_name, _train), {})
+        CASES.append(Case(
+            name=f"model/{_name}/{'train' if _train else 'infer'}/bf16/B{_b}xS{_s}",
+            fusion="model", variant=_name,
+            make=functools.partial(_make(_cfg, _cls, _attn, _b, _s, _v, _mlm, _config)),
+            dtype=torch.bfloat16, train=_train, expect=_expect, eager_baseline=True,
+        ))

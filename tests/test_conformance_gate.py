@@ -1,0 +1,52 @@
+"""The conformance gate: the committed GPU result must be of this exact code, pass every case, and
+cover every registered fusion and variant (fusionpass.conformance.gate)."""
+import copy
+
+import pytest
+
+from fusionpass.conformance import gate
+from fusionpass.passes import source_digest
+
+VARIANTS = {"rope": ["rotate_half", "interleaved"]}
+GOOD = {
+    "source_digest": "abc",
+    "device": "cuda",
+    "cases": [
+        {"name": "rope/rotate_half/x", "fusion": "rope", "variant": "rotate_half", "passed": True,
+         "searches": {"rope/rotate_half": 1}},
+        {"name": "rope/interleaved/x", "fusion": "rope", "variant": "interleaved_partial", "passed": True,
+         "searches": {"rope/interleaved": 1}},
+    ],
+}
+
+
+# Strict: once a complete passing GPU run of this code is committed this test XPASSes and fails,
+# and the marker must go. Until then it names what the committed run lacks: 8 cases whose expected
+# matches did not happen on CUDA (BLOOM-style eager modules, GPT-J eager attention) and 3 model
+# cases the run did not reach (benchmarks/results/2026-12-01-h200-conformance.md).
+@pytest.mark.xfail(strict=True, reason="the committed GPU run of this code has 8 failed and 3 unrun cases")
+def test_committed_result_vouches_for_this_code():
+    assert gate.committed_problems() == []
+
+
+def test_gate_accepts_a_complete_current_result():
+    assert gate.problems(GOOD, "abc", VARIANTS) == []
+
+
+def test_gate_fails_on_a_stale_digest():
+    found = gate.problems(GOOD, source_digest(), VARIANTS)
+    assert len(found) == 1 and found[0].startswith("stale")
+
+
+def test_gate_fails_on_a_failed_case_and_on_a_variant_without_a_case():
+    report = copy.deepcopy(GOOD)
+    report["cases"][1]["passed"] = False
+    report["cases"][1]["reason"] = "grad:input0: nan"
+    found = gate.problems(report, "abc", VARIANTS)
+    assert any(p.startswith("failed: rope/interleaved/x") for p in found)
+    assert "no passing case for rope/interleaved" in found
+    assert gate.problems(GOOD, "abc", {**VARIANTS, "swiglu_mlp": ["silu"]}) == ["no passing case for swiglu_mlp/silu"]
+
+
+def test_gate_fails_on_a_cpu_result():
+    assert gate.problems({**GOOD, "device": "cpu"}, "abc", VARIANTS) == ["the result was not measured on CUDA (device 'cpu')"]
