@@ -191,8 +191,12 @@ def written_arguments(kernel, kwargs: dict) -> frozenset[str]:
     tensors = frozenset(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
     key = (kernel, tuple(sorted((k, _key(v)) for k, v in kwargs.items())))
     if key not in _WRITTEN:
+        from torch.utils._python_dispatch import _disable_current_modes
+
         try:
-            with _cuda_target(), _jit_functions(kernel) as jitted:
+            # concrete stand-ins even while torch.compile traces (fake and functional tensors have
+            # no data pointer, and the analysis specializes on pointer alignment)
+            with _disable_current_modes(), _cuda_target(), _jit_functions(kernel) as jitted:
                 args = {k: _CUDA_FLAGS.get(k, _concrete(v)) for k, v in kwargs.items()}
                 _WRITTEN[key] = frozenset(_mutated(jitted, args)) & tensors
         except Exception:  # noqa: BLE001 -- Inductor's own fallback: every tensor may be written

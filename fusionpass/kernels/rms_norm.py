@@ -432,7 +432,6 @@ def _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, n
     flags = dict(HAS_DH=dh is not None, HAS_WEIGHT=weight is not None,
                  WEIGHT_AFTER_CAST=bool(weight_after_cast), NEED_DW=need_dw,
                  ROUND_BITS=h.device.type != "cuda")
-    dummy = torch.empty((1,), dtype=torch.float32, device=h.device)
 
     def args(dwp):
         return (dy2, dh2, h2, rstd, w, dx2, dwp, m, n, dy2.stride(0), (dh2 if dh is not None else dy2).stride(0),
@@ -446,7 +445,7 @@ def _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, n
         consts = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n)
         per_sm = min(_MAX_PROGRAMS_PER_SM, _programs_per_sm(warps))
         grid = _persistent_grid(per_sm, h.device, triton.cdiv(m, block_m), num_programs)
-        dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else dummy
+        dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else absent(rstd)
         launcher(_bwd_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
     else:
         block_n = _chunk(max_fused)
@@ -455,7 +454,7 @@ def _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, n
         row_bytes = n * (dy.element_size() + h.element_size() + 4 + (dh.element_size() if dh is not None else 0))
         cap = _l2_programs_per_sm(h.device, row_bytes, _MAX_PROGRAMS_PER_SM) if h.device.type == "cuda" else 1
         grid = _persistent_grid(min(cap, _programs_per_sm(warps)), h.device, m, num_programs)
-        dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else dummy
+        dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else absent(rstd)
         launcher(_bwd_chunked_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
 
     if not need_dw:
