@@ -124,6 +124,13 @@ _FWD_CFG = {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)}
 _DKDV_CFG = {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (16, 64, 8, 2)}
 _DQ_CFG = {64: (64, 32, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
 _PRE_BLOCK_M = 64
+
+
+def _stages(stages: int, q: torch.Tensor) -> int:
+    """Pipelining depth of a launch from the tables above, which are for 16-bit inputs. fp32 tiles
+    take twice the shared memory: from head dim 80 up (padded to 128) the tables' launches asked for
+    more than the H200's 227 KiB (dK/dV at 96: 288 KiB), so fp32 there takes no extra stage."""
+    return 1 if q.element_size() == 4 and q.shape[-1] > 64 else stages
 # Forward with RoPE on q (`rope=`): at D=128 the 128-row launch rotated q 13% slower than it runs
 # on a rotated q, (64, 64, 4, 3) 2-3% slower (H200, B4 H32/8 S4096 causal: 1.263 against
 # 1.227-1.238 ms; B4 H16/4 S2048: 0.2055 against 0.199-0.205; benchmarks/probes/
@@ -895,7 +902,7 @@ def attention_fwd(
             Hq, Lq, o.Lk, o.group, num_m, o.scale, o.window or 0, float(drop_scale),
             lo, hi, olo, ohi, thr,
             **_flags(o), **rope_flags, BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=num_warps or warps, num_stages=num_stages or stages)
+            num_warps=num_warps or warps, num_stages=num_stages or _stages(stages, q))
     return out, lse
 
 
@@ -968,7 +975,7 @@ def attention_bwd(
             q, k, v, do, lse, delta, dk, dv, *ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *aux_strides,
             Hq, Hkv, Lq, Lk, o.group, num_n, o.scale, o.window or 0, float(drop_scale), *rng,
-            **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps or warps, num_stages=num_stages or stages)
+            **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps or warps, num_stages=num_stages or _stages(stages, q))
 
         bm, bn, warps, stages = _DQ_CFG[pad_d]
         bm = _block(dq_block_m, bm, "dq_block_m")
@@ -979,7 +986,7 @@ def attention_bwd(
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *aux_strides,
             Hq, Lq, Lk, o.group, num_m, o.scale, o.window or 0, float(drop_scale), *rng,
             **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=dq_num_warps or warps,
-            num_stages=dq_num_stages or stages)
+            num_stages=dq_num_stages or _stages(stages, q))
     return dq, dk, dv
 
 
