@@ -47,7 +47,8 @@ class Config:
     # become a torch.cond on one "all true?" check per forward. Off by default: Inductor's cond
     # lowering crashed Llama-family inference graphs (a stride assertion in the branch when the
     # query comes from RoPE's cat) and refuses q/k/v that alias one tensor (GPT-2's split), both
-    # seen on CPU with torch 2.13 (tests/patterns/test_attention_masks.py).
+    # seen on CPU with torch 2.13 (tests/patterns/test_attention_masks.py). On CUDA it is never
+    # selected: the cond's lowering failed there in every conformance case (patterns/attention.py).
     attention_runtime_check: bool = False
     # attention: route SDPA calls whose mask is proven sliding-window, or causal/all-true AND key
     # padding from the run-time attention_mask, to fusionpass::flash_attention (the FA2-style

@@ -47,6 +47,12 @@ class Variant:
     search: Callable[[fx.Node], Match | None]
     # tried only where this holds for the config (an opt-in route); None: always
     when: Callable[[Config], bool] | None = None
+    # finds subgraphs only so that a guard can report them as near misses; never replaces (no
+    # conformance case can match it, fusionpass.conformance.gate)
+    reports_only: bool = False
+    # False: a guard refuses its matches on CUDA tensors (the route is CPU only; say why there), so
+    # the GPU conformance suite has no case for it
+    cuda: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
