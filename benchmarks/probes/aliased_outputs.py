@@ -10,7 +10,6 @@ import json
 import sys
 
 import torch
-import torch.nn.functional as F
 
 import fusionpass
 
@@ -81,4 +80,6 @@ if __name__ == "__main__":
     res = {"ln": [layer_norm_no_bias(*s) for s in ((1000, 768), (4097, 1000), (16384, 1024))],
            "llama_eager": llama_eager_inference()}
     print(json.dumps(res, indent=1))
-    json.dump(res, open(sys.argv[1], "w"), indent=1) if len(sys.argv) > 1 else None
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(res, f, indent=1)

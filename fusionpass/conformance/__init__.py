@@ -175,11 +175,15 @@ def run_case(case: Case, device: str) -> dict:
     try:
         return _run_case(case, device)
     except Exception as e:  # noqa: BLE001
-        return {"name": case.name, "fusion": case.fusion, "variant": case.variant,
-                "dtype": dtype_name(case.dtype), "train": case.train, "expect": case.expect, "passed": False,
+        return {**_header(case), "passed": False,
                 "reason": f"raised {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
     finally:
         torch._dynamo.reset()
+
+
+def _header(case: Case) -> dict:
+    return {"name": case.name, "fusion": case.fusion, "variant": case.variant, "dtype": dtype_name(case.dtype),
+            "train": case.train, "expect": case.expect}
 
 
 def _run_case(case: Case, device: str) -> dict:
@@ -204,8 +208,7 @@ def _run_case(case: Case, device: str) -> dict:
         kwargs = case.reference_kwargs(tuple(run.outputs), inputs) if case.reference_kwargs and run else {}
         return _execute(copy.deepcopy(ref_module), ref_inputs, case.train, cotangents, kwargs)
 
-    result = {"name": case.name, "fusion": case.fusion, "variant": case.variant, "dtype": dtype_name(case.dtype),
-              "train": case.train, "expect": case.expect}
+    result = _header(case)
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         plain = _execute(_compiled(copy.deepcopy(module), "inductor"), inputs, case.train, cotangents)
         fusionpass.reset_stats()

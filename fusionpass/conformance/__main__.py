@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -48,15 +49,13 @@ def _worker(args) -> int:
     for case in cases:
         t0 = time.perf_counter()
         if args.device == "cpu":
-            import dataclasses
-
             case = dataclasses.replace(case, config={**case.config, "cpu": True})
         r = run_case(case, args.device)
         r["seconds"] = round(time.perf_counter() - t0, 2)
         results.append(r)
         print(f"[{args.worker}] {'PASS' if r['passed'] else 'FAIL'} {r['name']} {r.get('reason', '')}", flush=True)
+        # after every case: what has run survives a worker stopped mid-way (--parts-dir)
         pathlib.Path(args.out).write_text(json.dumps(results))
-    pathlib.Path(args.out).write_text(json.dumps(results))
     return 0
 
 
