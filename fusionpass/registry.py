@@ -84,11 +84,10 @@ class Record:
     searches: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     near_misses: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
 
-    def matched(self, fusion: str, variant: str, search: str | None = None) -> None:
+    def matched(self, fusion: str, variant: str, search: str) -> None:
         key = (fusion, variant)
         self.matches[key] = self.matches.get(key, 0) + 1
-        if search is not None:
-            self.searches[(fusion, search)] = self.searches.get((fusion, search), 0) + 1
+        self.searches[(fusion, search)] = self.searches.get((fusion, search), 0) + 1
 
     def missed(self, fusion: str, node: fx.Node, reason: str) -> None:
         self.near_misses.append((fusion, where(node), reason))
@@ -133,10 +132,9 @@ def apply(fusion: Fusion, graph: fx.Graph, config: Config, record: Record) -> in
         match = found_by = None
         try:
             for found_by in fusion.variants:
-                variant = found_by
-                if variant.when is not None and not variant.when(config):
+                if found_by.when is not None and not found_by.when(config):
                     continue
-                match = variant.search(node)
+                match = found_by.search(node)
                 if match is not None:
                     break
         except NearMiss as miss:

@@ -74,6 +74,10 @@ class Case:
     # of eager PyTorch without the mask but up to 2.7x plain compile's with it (BERT training,
     # benchmarks/results/2026-12-01-h200-conformance.md).
     eager_baseline: bool = False
+    # A case of a fallback: where set, (fusion, variant) must not match, and some near miss (of
+    # this fusion or one it follows, e.g. attention for rope_attention) must contain this text (a cost rule or guard that keeps a route out on CUDA); `expect`
+    # then holds what matches instead. CPU graphs may take such routes: --device cpu skips these.
+    near_miss: str | None = None
 
 
 def all_cases() -> list[Case]:
@@ -192,6 +196,14 @@ def _run_case(case: Case, device: str) -> dict:
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
+    import time
+
+    clock = [time.perf_counter()]
+
+    def lap() -> float:  # seconds since the last lap (where a case's time goes: compiling, mostly)
+        clock.append(time.perf_counter())
+        return round(clock[-1] - clock[-2], 2)
+
     torch.manual_seed(0)
     module, inputs = case.make(case.dtype, device)
     module.train(case.train)
@@ -209,16 +221,20 @@ def _run_case(case: Case, device: str) -> dict:
         return _execute(copy.deepcopy(ref_module), ref_inputs, case.train, cotangents, kwargs)
 
     result = _header(case)
+    seconds = {"setup": lap()}
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         plain = _execute(_compiled(copy.deepcopy(module), "inductor"), inputs, case.train, cotangents)
+        seconds["plain"] = lap()
         fusionpass.reset_stats()
         backend = fusionpass.backend(**case.config)
         fused = _execute(_compiled(copy.deepcopy(module), backend), inputs, case.train, cotangents)
         fused.matches = fusionpass.stats()
         fused.variants = {f"{f}/{v}": n for (f, v), n in fusionpass.stats(variants=True).items()}
         fused.searches = {f"{f}/{v}": n for (f, v), n in STATISTICS.searches.items()}
+        near_misses = sorted({f"{f}: {why}" for f, _, why in STATISTICS.near_misses})
         if device == "cuda":
             torch.cuda.synchronize()
+        seconds["fusionpass"] = lap()
 
     plain_errs = _compare(plain, reference(plain))
     fused_errs = _compare(fused, reference(fused))
@@ -226,6 +242,7 @@ def _run_case(case: Case, device: str) -> dict:
     if case.eager_baseline:
         eager = _execute(copy.deepcopy(module), inputs, case.train, cotangents)
         eager_errs = _compare(eager, reference(eager))
+    seconds["references"] = lap()
     floor = case.floor if case.floor is not None else FLOOR[case.dtype]
     worst, reasons = None, []
     for name, err in fused_errs.items():
@@ -241,11 +258,17 @@ def _run_case(case: Case, device: str) -> dict:
     matches = {k: v for k, v in fused.matches.items() if v}
     if matches != case.expect:
         reasons.append(f"matches {matches} != expected {case.expect}")
-    if case.fusion != "model" and not fused.variants.get(f"{case.fusion}/{case.variant}"):
+    if case.near_miss is not None:
+        if fused.variants.get(f"{case.fusion}/{case.variant}"):
+            reasons.append(f"{case.fusion}/{case.variant} matched where it must not")
+        if not any(case.near_miss in m for m in near_misses):
+            reasons.append(f"no near miss with {case.near_miss!r} (near misses: {near_misses})")
+    elif case.fusion != "model" and not fused.variants.get(f"{case.fusion}/{case.variant}"):
         reasons.append(f"no {case.fusion}/{case.variant} match (variants: {fused.variants})")
     result.update(
         passed=not reasons, reason="; ".join(reasons),
-        matches=matches, variants=fused.variants, searches=fused.searches,
+        matches=matches, variants=fused.variants, searches=fused.searches, near_misses=near_misses,
+        phase_seconds=seconds,
         worst={"tensor": worst[0], "fusionpass": worst[1], "plain": worst[2]} if worst else None,
         errors={"fusionpass": fused_errs, "plain": plain_errs, **({"eager": eager_errs} if eager_errs else {})},
     )

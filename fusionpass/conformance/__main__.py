@@ -2,7 +2,9 @@
 table, write the result file the CPU gate reads (fusionpass.conformance.gate).
 
 Cases run in `--jobs` worker processes (compiling dominates; the GPU is shared), each with
-uninitialized memory filled with NaN.
+uninitialized memory filled with NaN. Workers take the next unclaimed case from one list ordered
+longest first by the seconds each case took in the previous result file, so that the slowest
+cases do not end up queued behind each other at the end of a run.
 """
 from __future__ import annotations
 
@@ -28,13 +30,32 @@ def _nan_fill() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def _selected(only: list[str] | None):
+def _selected(only: list[str] | None, device: str = "cuda"):
     from fusionpass.conformance import all_cases
 
-    cases = all_cases()
+    cases = [c for c in all_cases() if device == "cuda" or c.near_miss is None]
     if only:
         cases = [c for c in cases if any(c.name.startswith(p) for p in only)]
     return cases
+
+
+def _longest_first(cases, previous: str):
+    """Cases by their seconds in the result file `previous`, longest first; cases it lacks first."""
+    try:
+        seconds = {r["name"]: r["seconds"] for r in json.loads(pathlib.Path(previous).read_text())["cases"]
+                   if "seconds" in r}
+    except (OSError, ValueError, KeyError):
+        seconds = {}
+    return sorted(cases, key=lambda c: (-seconds.get(c.name, float("inf")), c.name))
+
+
+def _claim(claims: str, index: int) -> bool:
+    """True for the one worker that creates the claim file of case `index` first."""
+    try:
+        os.close(os.open(os.path.join(claims, f"case{index}"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _worker(args) -> int:
@@ -44,9 +65,10 @@ def _worker(args) -> int:
     warnings.filterwarnings("ignore")
     from fusionpass.conformance import run_case
 
-    cases = _selected(args.only)[args.worker::args.jobs]
     results = []
-    for case in cases:
+    for index, case in enumerate(_longest_first(_selected(args.only, args.device), args.timings)):
+        if not _claim(args.claims, index):
+            continue
         t0 = time.perf_counter()
         if args.device == "cpu":
             case = dataclasses.replace(case, config={**case.config, "cpu": True})
@@ -111,7 +133,10 @@ def main(argv=None) -> int:
                    help="run only the cases that failed or are missing in RESULT (a result file of the same "
                         "source digest) and keep its passing ones")
     p.add_argument("--parts-dir", default=None, help="keep each worker's results here (default: a temporary folder)")
+    p.add_argument("--timings", default=DEFAULT_OUT,
+                   help="a result file whose per-case seconds order the run (default: the committed one)")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--claims", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker is not None:
         return _worker(args)
@@ -124,23 +149,24 @@ def main(argv=None) -> int:
         previous = json.loads(pathlib.Path(args.rerun_failed).read_text())
         if previous.get("source_digest") != source_digest():
             raise SystemExit(f"{args.rerun_failed} is of another source digest: run every case")
-        kept = [r for r in previous["cases"] if r["passed"] and r["name"] in {c.name for c in _selected(selection)}]
+        kept = [r for r in previous["cases"] if r["passed"] and r["name"] in {c.name for c in _selected(selection, args.device)}]
         done = {r["name"] for r in kept}
-        args.only = [c.name for c in _selected(args.only) if c.name not in done]
+        args.only = [c.name for c in _selected(args.only, args.device) if c.name not in done]
         if not args.only:
             args.only = ["(none)"]
-    n = len(_selected(args.only))
+    n = len(_selected(args.only, args.device))
     jobs = max(1, min(args.jobs, n))
     with (tempfile.TemporaryDirectory(prefix="fusionpass-check-") if args.parts_dir is None
           else contextlib.nullcontext(args.parts_dir)) as tmp:
         os.makedirs(tmp, exist_ok=True)
         env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1")
+        claims = tempfile.mkdtemp(prefix="claims-", dir=tmp)
         procs, parts = [], []
         for i in range(jobs):
             part = os.path.join(tmp, f"part{i}.json")
             parts.append(part)
-            cmd = [sys.executable, "-m", "fusionpass.conformance", "--worker", str(i), "--jobs", str(jobs),
-                   "--device", args.device, "--out", part] + (["--only", *args.only] if args.only else [])
+            cmd = [sys.executable, "-m", "fusionpass.conformance", "--worker", str(i), "--claims", claims,
+                   "--timings", args.timings, "--device", args.device, "--out", part] + (["--only", *args.only] if args.only else [])
             procs.append(subprocess.Popen(cmd, env=env))
         codes = [proc.wait() for proc in procs]
         results = []
@@ -149,7 +175,7 @@ def main(argv=None) -> int:
                 results.extend(json.loads(pathlib.Path(part).read_text()))
     results.extend(kept)
     ran = {r["name"] for r in results}
-    missing = [c.name for c in _selected(selection) if c.name not in ran]
+    missing = [c.name for c in _selected(selection, args.device) if c.name not in ran]
     for name in missing:  # a worker died before reaching them
         results.append({"name": name, "fusion": name.split("/")[0], "variant": name.split("/")[1],
                         "passed": False, "reason": f"not run (worker exit codes {codes})"})

@@ -81,10 +81,19 @@ def _hidden(shape: Shape, width: int, dtype, device) -> torch.Tensor:
     return (2.5 * torch.randn(shape.b, shape.q or shape.s, width, device=device)).to(dtype)
 
 
-def _masking():
-    from transformers import masking_utils
+_MASKING = []
 
-    return masking_utils
+
+def _masking():
+    # transformers.masking_utils, imported once outside any trace (`make` below): the import
+    # statement inside a compiled forward is a graph break on torch 2.11 (transformers is a
+    # _LazyModule), and the ALiBi tensor and positions computed before it reached the
+    # attention as run-time inputs, so BLOOM's and GPT-J's masks were not provable on the H200
+    if not _MASKING:
+        from transformers import masking_utils
+
+        _MASKING.append(masking_utils)
+    return _MASKING[0]
 
 
 def _positions(length: int, device, offset=0) -> torch.Tensor:
@@ -355,6 +364,7 @@ def _make(family, shape: Shape, padding: str | None = None, **options):
     cache length, and its attention_mask covers the tokens seen so far, as generate() passes it)."""
 
     def make(dtype, device):
+        _masking()
         module = _no_zero_parameters(family(shape, **options)).to(device, dtype)
         inputs = [_hidden(shape, module.config.hidden_size, dtype, device)]
         if family is StaticCacheDecode:
@@ -372,45 +382,60 @@ def _make(family, shape: Shape, padding: str | None = None, **options):
     return make
 
 
-def _kernel(rotary: str | None = None, rope_attention_training: bool = False, out_proj: bool = True):
-    """expect(train) where every layer goes to fusionpass::flash_attention, and its output straight
-    to the output projection (attention_out_proj; not Falcon's eager flatten + _merge_heads, a
-    near miss). `rotary`: "rope" where the rope fusion rotates q and k first, "graph" where their
-    rotation stays in the graph; either way rope_attention then moves q's rotation into the kernel,
-    in inference (in training where opted in), for head dims that are powers of two."""
+# What keeps fp32 attention out of the kernels on CUDA (fusionpass.patterns.attention.kernel_dtypes)
+FP32_KEPT_OUT = "fp32 q/k/v"
 
-    def expect(train: bool, shape: Shape) -> dict:
-        counts = {"attention": LAYERS}
+
+def _kernel(rotary: str | None = None, rope_attention_training: bool = False, out_proj: bool = True):
+    """expect(train, shape, dtype) where every layer goes to fusionpass::flash_attention, and its
+    output straight to the output projection (attention_out_proj; not Falcon's eager flatten +
+    _merge_heads, a near miss). `rotary`: "rope" where the rope fusion rotates q and k first,
+    "graph" where their rotation stays in the graph; either way rope_attention then moves q's
+    rotation into the kernel, in inference (in training where opted in), for head dims that are
+    powers of two. fp32 stays out of the kernel (only rope's match is left)."""
+
+    def expect(train: bool, shape: Shape, dtype) -> dict:
+        counts = {"rope": LAYERS} if rotary == "rope" else {}
+        if dtype == FP32:
+            return counts
+        counts["attention"] = LAYERS
         if out_proj:
             counts["attention_out_proj"] = LAYERS
-        if rotary == "rope":
-            counts["rope"] = LAYERS
         if rotary and (not train or rope_attention_training) and not shape.d & (shape.d - 1):
             counts["rope_attention"] = LAYERS
         return counts
 
+    expect.kernel_route = True
     return expect
 
 
-def _case(fusion, variant, form, dtype, shape, train, make, expect, config=None, padding=None):
+def _decode(train: bool, shape: Shape, dtype) -> dict:
+    return {} if dtype == FP32 else {"decode_attention": LAYERS}
+
+
+_decode.kernel_route = True
+
+
+def _case(fusion, variant, form, dtype, shape, train, make, expect, config=None, padding=None, near_miss=None):
     form = form if padding is None else f"{form}-{padding}"
     return Case(
         name=f"{fusion}/{variant}/{form}/{dtype_name(dtype)}/{shape}/{'train' if train else 'infer'}",
         fusion=fusion, variant=variant, make=make, dtype=dtype, train=train, expect=expect, config=config or {},
+        near_miss=near_miss,
     )
 
 
-
-
 def _cases(fusion, variant, form, family, expect, rows, config=None, **options) -> list[Case]:
-    """One case per (dtype, shape, train, padding) row; `expect(train, shape)` gives its match counts."""
+    """One case per (dtype, shape, train, padding) row; `expect(train, shape, dtype)` gives its
+    match counts. fp32 rows of a kernel route check that fp32 stays out (FP32_KEPT_OUT)."""
     return [_case(fusion, variant, form, dtype, shape, train, _make(family, shape, padding, **options),
-                  expect(train, shape),
-                  config, padding) for dtype, shape, train, padding in rows]
+                  expect(train, shape, dtype), config, padding,
+                  FP32_KEPT_OUT if dtype == FP32 and getattr(expect, "kernel_route", False) else None)
+            for dtype, shape, train, padding in rows]
 
 
 def _always(**counts):
-    return lambda train, shape: counts
+    return lambda train, shape, dtype: counts
 
 
 # shapes: GQA decoders (Llama, Mistral), then multi-head families; padded ones have B >= 2
@@ -446,18 +471,20 @@ ATTENTION_CASES = [
         (BF16, M77, True, None), (FP16, M513, True, None), (FP32, M1000, False, None), (BF16, M1000, False, None),
     ]),
     *_cases("attention", "eager_alibi_kernel", "bloom-eager", Bloom, _kernel(), [
-        (BF16, M77, True, None), (FP16, M513, False, None), (FP32, Shape(2, 12, 12, 1000, 80), True, None),
+        (BF16, M77, True, None), (FP16, M513, False, None), (BF16, Shape(2, 12, 12, 1000, 80), True, None),
+        (FP32, Shape(2, 12, 12, 1000, 80), True, None),
     ]),
     *_cases("attention", "eager_alibi_kernel", "mpt-eager", Mpt, _kernel(), [
-        (BF16, Shape(2, 8, 8, 333, 96), False, None), (FP16, M77, True, None), (FP32, M513, True, None),
+        (BF16, Shape(2, 8, 8, 333, 96), False, None), (FP16, M77, True, None), (BF16, M513, True, None),
+        (FP32, M513, True, None),
     ]),
     # Falcon: power-of-two head counts (its ALiBi rounds slope * position to bf16 even in an fp32
     # model, which Inductor's code does not: with other head counts plain torch.compile is 1e-3 off)
-    # fp32 only: in bf16/fp16 Falcon upcasts its scores after viewing them, which the eager route
-    # does not follow (a near miss). Its _merge_heads after a flatten is no head merge
-    # attention_out_proj knows (a near miss)
+    # fp32 only, so never selected on CUDA (FP32_KEPT_OUT): in bf16/fp16 Falcon upcasts its scores
+    # after viewing them, which the eager route does not follow (a near miss). (Its _merge_heads
+    # after a flatten is no head merge attention_out_proj knows, a near miss too.)
     *_cases("attention", "eager_alibi_mask_kernel", "falcon-eager", Falcon, _kernel(out_proj=False), [
-        (FP32, M513, True, None), (FP32, F77, False, None), (FP32, MP1000, True, None),
+        (FP32, M513, True, None), (FP32, F77, False, None),
     ], impl="eager"),
     # SDPA whose float mask carries Falcon's ALiBi -> the kernel with a per-key bias (on by default)
     *_cases("attention", "alibi_mask_kernel", "falcon-sdpa", Falcon, _kernel(), [
@@ -468,38 +495,42 @@ ATTENTION_CASES = [
     # the values (written after the kernel, so no token-major output for the projection). Not
     # fp16, whose fill (-65504) does not absorb the scores (a near miss by design)
     *_cases("attention", "alibi_mask_kernel_padded", "falcon-sdpa", Falcon, _kernel(out_proj=False), [
-        (BF16, Shape(3, 16, 1, 513, 64), False, "left"), (FP32, Shape(3, 16, 16, 77, 64), False, "left"),
+        (BF16, Shape(3, 16, 1, 513, 64), False, "left"), (BF16, Shape(3, 16, 16, 77, 64), False, "left"),
+        (FP32, Shape(3, 16, 16, 77, 64), False, "left"),
     ], impl="sdpa"),
     # the opt-in kernel route for SDPA: sliding windows, causal / all-true masks AND padding
     *_cases("attention", "sliding_window_kernel", "mistral-sdpa", Llama, _kernel("rope"), [
-        (BF16, G77, True, None), (FP16, G513, False, None), (FP32, G1000, True, None),
+        (BF16, G77, True, None), (FP16, G513, False, None), (BF16, G1000, True, None), (FP32, G1000, True, None),
     ], KERNEL, impl="sdpa", window=True),
     *_cases("attention", "sliding_window_kernel_padded", "mistral-sdpa", Llama,
             _kernel("rope"), [
-        (BF16, GP513, False, "left"), (FP16, GP77, True, "right"), (FP32, GP1000, False, "right"),
+        (BF16, GP513, False, "left"), (FP16, GP77, True, "right"), (BF16, GP1000, False, "right"),
+        (FP32, GP1000, False, "right"),
     ], KERNEL, impl="sdpa", window=True),
     *_cases("attention", "causal_kernel_padded", "llama-sdpa", Llama, _kernel("rope"), [
-        (BF16, GP77, True, "right"), (FP16, GP513, False, "left"), (FP32, GP1000, True, "left"),
+        (BF16, GP77, True, "right"), (FP16, GP513, False, "left"), (BF16, GP1000, True, "left"),
+        (FP32, GP1000, True, "left"),
     ], KERNEL, impl="sdpa"),
     *_cases("attention", "none_kernel_padded", "bert-sdpa", Bert, _kernel(), [
-        (BF16, MP513, False, "left"), (FP16, MP77, True, "right"), (FP32, MP1000, False, "ones"),
+        (BF16, MP513, False, "left"), (FP16, MP77, True, "right"), (FP16, MP1000, False, "ones"),
+        (FP32, MP1000, False, "ones"),
     ], KERNEL),
 ]
 
 # decode steps over a static cache (inference only: the kernel is forward-only); the prompt fills
 # part of the cache, the step's tokens go after it
 DECODE_CASES = [
-    *_cases("decode_attention", "static_cache", "llama-sdpa", StaticCacheDecode, _always(decode_attention=LAYERS), [
+    *_cases("decode_attention", "static_cache", "llama-sdpa", StaticCacheDecode, _decode, [
         (BF16, Shape(2, 16, 4, 1000, 128, q=1), False, None), (FP16, Shape(3, 8, 8, 513, 64, q=4), False, "left"),
-        (FP32, Shape(1, 12, 2, 333, 256, q=16), False, None),
+        (BF16, Shape(1, 12, 2, 333, 256, q=16), False, None), (FP32, Shape(1, 12, 2, 333, 256, q=16), False, None),
     ], impl="sdpa", prompt=301),
-    *_cases("decode_attention", "static_cache", "llama-eager", StaticCacheDecode, _always(decode_attention=LAYERS), [
+    *_cases("decode_attention", "static_cache", "llama-eager", StaticCacheDecode, _decode, [
         (BF16, Shape(3, 8, 2, 513, 64, q=4), False, "left"), (FP16, Shape(1, 16, 4, 1000, 256, q=1), False, None),
-        (FP32, Shape(2, 12, 12, 77, 128, q=16), False, "right"),
+        (FP16, Shape(2, 12, 12, 77, 128, q=16), False, "right"), (FP32, Shape(2, 12, 12, 77, 128, q=16), False, "right"),
     ], impl="eager", prompt=45),
     # generate()'s compiled decode step: a [B, 1, 1, L] mask built outside the graph
     *_cases("decode_attention", "one_query_any_mask", "llama-sdpa-prebuilt", StaticCacheDecode,
-            _always(decode_attention=LAYERS), [
+            _decode, [
         (BF16, Shape(2, 16, 4, 513, 128, q=1), False, "left"),
     ], impl="sdpa", prompt=301, prebuilt=True),
 ]
@@ -510,7 +541,8 @@ DECODE_CASES = [
 # rotation is still the graph's (its variant is named by the form, rotate_half / interleaved_partial)
 ROPE_ATTENTION_CASES = [
     *_cases("rope_attention", "rope_kernel", "llama-eager", Llama, _kernel("rope"), [
-        (BF16, G77, False, None), (FP16, G513, False, None), (FP32, G1000_128, False, None),
+        (BF16, G77, False, None), (FP16, G513, False, None), (BF16, G1000_128, False, None),
+        (FP32, G1000_128, False, None),
     ], impl="eager"),
     *_cases("rope_attention", "rope_kernel", "llama-eager", Llama,
             _kernel("rope", True), [
@@ -519,16 +551,17 @@ ROPE_ATTENTION_CASES = [
     *_cases("rope_attention", "rope_kernel", "llama-sdpa", Llama, _kernel("rope"), [
         (BF16, Shape(3, 16, 4, 333, 128), False, "right"),
     ], KERNEL, impl="sdpa"),
+    # GPT-J is fp32 only (its _attn upcasts q and k), so on CUDA these check that it stays out
     *_cases("rope_attention", "rope_kernel", "gptj-eager", GPTJ, _kernel("rope"), [
         (FP32, M77, False, None),
     ], {"rope_attention_interleaved": True}),
     *_cases("rope_attention", "rotate_half", "llama-eager", Llama,
             _kernel("graph", True), [
-        (BF16, G77, False, None), (FP16, G1000_128, False, None), (FP32, G513, False, None),
+        (BF16, G77, False, None), (FP16, G1000_128, False, None), (BF16, G513, False, None), (FP32, G513, False, None),
     ], NO_ROPE, impl="eager"),
     *_cases("rope_attention", "rotate_half", "llama-eager", Llama,
             _kernel("graph", True), [
-        (FP32, G77, True, None),
+        (BF16, G77, True, None), (FP32, G77, True, None),
     ], {**NO_ROPE, "rope_attention_training": True}, impl="eager"),
     *_cases("rope_attention", "interleaved_partial", "gptj-eager", GPTJ,
             _kernel("graph", True), [
@@ -539,11 +572,12 @@ ROPE_ATTENTION_CASES = [
 # the kernel writes its output token-major where the heads are merged for the output projection
 OUT_PROJ_CASES = [
     *_cases("attention_out_proj", "merge_heads", "bloom-eager", Bloom, _kernel(), [
-        (BF16, M1000, False, None), (FP16, Shape(2, 12, 12, 77, 80), True, None), (FP32, M513, False, None),
+        (BF16, M1000, False, None), (FP16, Shape(2, 12, 12, 77, 80), True, None), (BF16, M513, False, None),
+        (FP32, M513, False, None),
     ]),
     *_cases("attention_out_proj", "transpose_reshape", "gpt2-eager", GPT2,
             _kernel(), [
-        (FP32, M77, True, None),
+        (BF16, M77, True, None), (FP32, M77, True, None),
     ]),
     *_cases("attention_out_proj", "transpose_reshape", "llama-eager", Llama,
             _kernel("rope"), [

@@ -38,10 +38,12 @@ def _cuda_target():
 
     try:
         driver.active.get_current_target()
+        active = True
+    except RuntimeError:
+        active = False
+    if active:
         yield
         return
-    except RuntimeError:
-        pass
     from triton.backends.compiler import GPUTarget
 
     class _Target:

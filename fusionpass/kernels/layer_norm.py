@@ -742,17 +742,16 @@ def _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, nee
     flags = dict(HAS_DH=dh is not None, HAS_WEIGHT=weight is not None, NEED_DW=need_dw, NEED_DB=need_db,
                  DROPOUT=dropout, SEED_PTR=seed_t is not None, STORE_DR=dr is not None,
                  ROUND_BITS=dev.type != "cuda")
-    stats = mean  # fp32 on the device: the placeholders' dtype
 
     def args(dwp, dbp):
-        return (dy2, dh2, h2, mean, rstd, w, dx2, dr2, dwp, dbp, seed_t if seed_t is not None else absent(stats),
+        return (dy2, dh2, h2, mean, rstd, w, dx2, dr2, dwp, dbp, seed_t if seed_t is not None else absent(mean),
                 m, n, dy2.stride(0), (dh2 if dh is not None else dy2).stride(0), h2.stride(0), dx2.stride(0),
                 (dr2 if dr is not None else dx2).stride(0),
                 float(scale), lo, hi, olo, ohi, thr)
 
     def partials(grid):
-        dwp = torch.empty((grid, n), dtype=torch.float32, device=dev) if need_dw else absent(stats)
-        dbp = torch.empty((grid, n), dtype=torch.float32, device=dev) if need_db else absent(stats)
+        dwp = torch.empty((grid, n), dtype=torch.float32, device=dev) if need_dw else absent(mean)
+        dbp = torch.empty((grid, n), dtype=torch.float32, device=dev) if need_db else absent(mean)
         return dwp, dbp
 
     limit = MAX_FUSED_BWD if max_chunk is None else max_chunk

@@ -18,6 +18,8 @@ run-time key padding too in inference (rows that see no key get SDPA's average o
 has no fast kernel for a float mask (Falcon-ALiBi h1024 12L B8 S2048 on the H200: training 1.19x,
 inference 1.55x). A bias with a query dimension, a mask that is not proven, mixed dtypes, and
 run-time padding in training (SDPA's gradient at rows that see no key) are near misses.
+On CUDA every route to fusionpass::flash_attention (and decode_attention's) takes fp16/bf16 only:
+the kernels' fp32 dots run on FMA units, far slower than plain torch.compile (`kernel_dtypes`).
 Attention written in torch ops (BLOOM's baddbmm with ALiBi, MPT, Falcon, GPT-2's matmuls; see
 fusionpass.patterns.eager_attention) goes to fusionpass::flash_attention by default: it replaces
 S x S scores, softmax and probabilities (BLOOM-style 12L training 1.62x, GPT-2 eager 1.35x on the
@@ -564,11 +566,20 @@ def _kernel_only(check):
 
 
 def kernel_dtypes(m: Match, cfg) -> str | None:
-    """q, k and v share one dtype of fp16/bf16/fp32."""
+    """q, k and v share one dtype of fp16/bf16/fp32, and on CUDA not fp32: the kernels' fp32 dot
+    products are IEEE fp32 on FMA units, and on the H200 fp32 attention through them was far
+    slower than plain torch.compile's (benchmarks/results/2026-12-01-h200-fp32-attention.md), so
+    fp32 graphs keep their attention there. (CPU graphs, which run the host ops, keep fp32.)"""
     b = m.bindings
-    dtypes = [g.dtype(n) for n in (b["args"]["query"], b["key"], b["value"])]
-    if dtypes[0] not in _KERNEL_DTYPES or len(set(dtypes)) != 1:
-        return f"q/k/v dtypes {[str(d) for d in dtypes]}: the kernel takes one of fp16/bf16/fp32"
+    q = b["args"]["query"]
+    dtypes = [g.dtype(n) for n in (q, b["key"], b["value"])]
+    if len(set(dtypes)) != 1:
+        return f"q/k/v dtypes {[str(d) for d in dtypes]} differ: the kernel takes one of fp16/bf16/fp32"
+    if dtypes[0] == torch.float32 and g.tensor(q).device.type == "cuda":
+        return ("fp32 q/k/v: the kernel's fp32 dot products run on FMA units, slower than plain "
+                "torch.compile's attention (benchmarks/results/2026-12-01-h200-fp32-attention.md)")
+    if dtypes[0] not in _KERNEL_DTYPES:
+        return f"q/k/v dtype {dtypes[0]}: the kernel takes one of fp16/bf16/fp32"
     return None
 
 
@@ -690,7 +701,8 @@ ATTENTION = registry.register(
             "eager-math attention and for ALiBi-biased SDPA masks (our kernel instead of S x S tensors); sliding windows and "
             "run-time key padding in SDPA go to fusionpass::flash_attention only with "
             "attention_kernel=True (opt-in: 1.10x on Llama, 0.93x on BERT), else they are near "
-            "misses, as are offset diagonals"
+            "misses, as are offset diagonals; every route to fusionpass::flash_attention takes "
+            "fp16/bf16 on CUDA (fp32 is a near miss there, kernel_dtypes)"
         ),
         anchor=lambda node: (is_sdpa(node) and isinstance(sdpa_arguments(node)["attn_mask"], fx.Node))
         or eager.is_anchor(node),

@@ -347,7 +347,8 @@ DECODE_ATTENTION = registry.register(
         ),
         selected_when=(
             "inference graphs with a static query length <= 16, head dim 64/128/256, one float "
-            "dtype; the causal term with at most one key-padding lookup (windows are near misses)"
+            "dtype, fp16/bf16 on CUDA (fp32 is a near miss there: attention.kernel_dtypes); the causal "
+            "term with at most one key-padding lookup (windows are near misses)"
         ),
         anchor=is_decode_step,
         variants=(Variant("static_cache", search),),  # also reports "one_query_any_mask"

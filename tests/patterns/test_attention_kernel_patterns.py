@@ -148,3 +148,33 @@ def test_hf_mistral_sliding_window(train, mask):
         want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (ids,), train, kwargs=kwargs)
         assert fusionpass.stats() == {}
     assert_outcomes_close(got, want, rtol=1e-4)
+
+
+def _kernel_match(dtype, device):
+    """A kernel-route Match whose q/k/v nodes carry fake tensors of `dtype` on `device` (a CUDA
+    device needs no GPU as a fake tensor)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusionpass.registry import Match
+
+    graph = torch.fx.Graph()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        nodes = []
+        for name in ("q", "k", "v"):
+            node = graph.placeholder(name)
+            node.meta["example_value"] = torch.empty(B, H, S, D, dtype=dtype, device=device)
+            nodes.append(node)
+    q, k, v = nodes
+    return Match("eager_kernel", q, [], {"route": "kernel", "args": {"query": q}, "key": k, "value": v})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fp32_stays_out_of_the_kernel_on_cuda_only(dtype, device):
+    from fusionpass.patterns.attention import kernel_dtypes
+
+    why = kernel_dtypes(_kernel_match(dtype, device), fusionpass.Config())
+    if dtype == torch.float32 and device == "cuda":
+        assert why is not None and why.startswith("fp32 q/k/v") and "benchmarks/results/" in why
+    else:
+        assert why is None
