@@ -20,11 +20,6 @@ GOOD = {
 }
 
 
-# Strict: once a complete passing GPU run of this code is committed this test XPASSes and fails,
-# and the marker must go. Until then it names what the committed run lacks: 8 cases whose expected
-# matches did not happen on CUDA (BLOOM-style eager modules, GPT-J eager attention) and 3 model
-# cases the run did not reach (benchmarks/results/2026-12-01-h200-conformance.md).
-@pytest.mark.xfail(strict=True, reason="the committed GPU run of this code has 8 failed and 3 unrun cases")
 def test_committed_result_vouches_for_this_code():
     assert gate.committed_problems() == []
 

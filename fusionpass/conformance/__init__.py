@@ -187,7 +187,8 @@ def run_case(case: Case, device: str) -> dict:
 
 def _header(case: Case) -> dict:
     return {"name": case.name, "fusion": case.fusion, "variant": case.variant, "dtype": dtype_name(case.dtype),
-            "train": case.train, "expect": case.expect}
+            "train": case.train, "expect": case.expect,
+            **({"near_miss": case.near_miss} if case.near_miss is not None else {})}
 
 
 def _run_case(case: Case, device: str) -> dict:
