@@ -9,7 +9,7 @@ models, installed into torch.compile's Inductor as graph rewrites.
 """
 from fusionpass import ops as _ops  # noqa: F401  (registers the custom ops)
 from fusionpass.backend import backend, enabled, register as _register_backend
-from fusionpass.config import FUSION_NAMES, Config
+from fusionpass.config import Config
 from fusionpass.explain import Report, explain
 from fusionpass.passes import STATISTICS as _STATISTICS
 
@@ -17,6 +17,14 @@ __version__ = "0.1.0"
 __all__ = ["backend", "enabled", "explain", "stats", "reset_stats", "Report", "Config", "FUSION_NAMES"]
 
 _register_backend()
+
+
+def __getattr__(name: str):
+    if name == "FUSION_NAMES":  # every declared fusion in run order, read from the declarations
+        from fusionpass.config import fusion_names
+
+        return fusion_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def stats(variants: bool = False) -> dict:

@@ -29,36 +29,40 @@ def _model_and_inputs(args):
 
 
 def cmd_list(args) -> int:
-    from fusionpass.config import FUSION_NAMES
+    from fusionpass.config import settings
     from fusionpass.registry import registered
 
-    declared = registered()
+    by_fusion: dict = {}
+    for setting in settings().values():
+        by_fusion.setdefault(setting.fusion, []).append(
+            {"name": setting.name, "env": setting.env, "default": setting.default, "doc": setting.doc})
     rows = []
-    for name in FUSION_NAMES:
-        fusion = declared.get(name)
-        if fusion is None:
-            rows.append({"fusion": name, "status": "not implemented yet"})
-        else:
-            rows.append(
-                {
-                    "fusion": name,
-                    "status": "available",
-                    "matches": fusion.matches,
-                    "variants": [v.name for v in fusion.variants],
-                    "selected_when": fusion.selected_when,
-                    "guards": [gd.name for gd in fusion.guards],
-                }
-            )
+    for name, fusion in registered().items():  # in run order
+        rows.append(
+            {
+                "fusion": name,
+                "status": "available",
+                "matches": fusion.matches,
+                "variants": [v.name for v in fusion.variants],
+                "selected_when": fusion.selected_when,
+                "guards": [gd.name for gd in fusion.guards],
+                "after": list(fusion.after),
+                "settings": by_fusion.get(name, []),
+            }
+        )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     for row in rows:
         print(f"{row['fusion']}: {row['status']}")
-        if row["status"] == "available":
-            print(f"  matches:       {row['matches']}")
-            print(f"  variants:      {', '.join(row['variants'])}")
-            print(f"  selected when: {row['selected_when']}")
-            print(f"  guards:        {', '.join(row['guards'])}")
+        print(f"  matches:       {row['matches']}")
+        print(f"  variants:      {', '.join(row['variants'])}")
+        print(f"  selected when: {row['selected_when']}")
+        print(f"  guards:        {', '.join(row['guards'])}")
+        if row["after"]:
+            print(f"  runs after:    {', '.join(row['after'])}")
+        for s in row["settings"]:
+            print(f"  setting {s['name']} = {s['default']!r} ({s['env']}): {s['doc']}")
     return 0
 
 

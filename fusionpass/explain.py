@@ -22,6 +22,9 @@ class Report:
     graph_breaks: int
     device: str
     enabled: tuple[str, ...]
+    # the pass's own seconds per fusion over every graph (pattern matching, guards, rewrites; not
+    # Inductor's compile of what the rewrites produce)
+    pass_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -34,6 +37,7 @@ class Report:
             "graph_breaks": self.graph_breaks,
             "device": self.device,
             "enabled": list(self.enabled),
+            "pass_seconds": {k: round(v, 4) for k, v in self.pass_seconds.items()},
         }
 
     def to_json(self) -> str:
@@ -62,6 +66,9 @@ class Report:
                 ) or "-"
             rows.append((name, str(self.matches.get(name, 0)), status))
         lines += _table(("fusion", "matches", "variants"), rows)
+        if self.pass_seconds:
+            spent = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(self.pass_seconds.items(), key=lambda kv: -kv[1]))
+            lines.append(f"pass time: {1e3 * sum(self.pass_seconds.values()):.1f} ms ({spent} ms)")
         if self.near_misses:
             lines.append("")
             lines.append("near misses (left to Inductor):")
@@ -134,4 +141,5 @@ def explain(model, *args, fusions=None, train: bool | None = None, **kwargs) -> 
         graph_breaks=sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before,
         device=device,
         enabled=tuple(n for n in config_mod.FUSION_NAMES if n in cfg.fusions),
+        pass_seconds=dict(STATISTICS.seconds),
     )

@@ -25,8 +25,10 @@ compiled, so match-count tests use fresh caches.
 from __future__ import annotations
 
 import hashlib
+import logging
 import pathlib
 import threading
+import time
 from collections import Counter
 
 import torch
@@ -35,6 +37,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fusionpass import registry
 from fusionpass.config import Config
+
+# `logging.getLogger("fusionpass").setLevel(logging.DEBUG)`: one line per graph with the pass's own
+# time per fusion
+_LOG = logging.getLogger("fusionpass")
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
@@ -117,6 +123,14 @@ class _Statistics:
     def near_misses(self) -> list[tuple[str, str, str]]:
         return [m for r in self.records for m in r.near_misses]
 
+    @property
+    def seconds(self) -> Counter:
+        """The pass's own time per fusion, summed over its graphs."""
+        out: Counter = Counter()
+        for r in self.records:
+            out.update(r.seconds)
+        return out
+
     def per_fusion(self) -> dict[str, int]:
         out: Counter = Counter()
         for (fusion, _), n in self.variants.items():
@@ -144,12 +158,19 @@ class PreGradFusionPass(CustomGraphPass):
         changed = 0
         for name, fusion in registry.registered().items():
             if name in self.config.fusions:
+                start = time.perf_counter()
                 changed += registry.apply(fusion, graph, self.config, record)
+                record.seconds[name] = time.perf_counter() - start
         if changed:
             from torch._inductor.pattern_matcher import stable_topological_sort
 
+            start = time.perf_counter()
             stable_topological_sort(graph)
             graph.lint()
+            record.seconds["(sort and lint)"] = time.perf_counter() - start
+        _LOG.debug("fusionpass pass over %d nodes (compile %s): %.1f ms; %s", len(graph.nodes),
+                   record.compile_id, 1e3 * sum(record.seconds.values()),
+                   ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in record.seconds.items()))
         STATISTICS.add(record)
         if self.inner is not None:
             self.inner(graph)

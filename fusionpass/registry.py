@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
-from fusionpass.config import FUSION_NAMES, Config
 from fusionpass.patterns.graph import where
+
+if TYPE_CHECKING:
+    from fusionpass.config import Config
 
 
 class NearMiss(Exception):
@@ -67,10 +69,33 @@ class Fusion:
     # reported when the anchor was found but no variant matched it
     unmatched: str = "no known variant matches the surrounding ops"
     modules: tuple[str, ...] = ()  # source modules beyond the declaring one (kernels, ops)
+    # fusions whose rewrites this one must see (it runs after them; `fusion_names()`)
+    after: tuple[str, ...] = ()
+    # The fusion's settings: a frozen dataclass whose fields have defaults and a `doc` in their
+    # metadata (`option`). Each field is a `Config` setting named `<settings_prefix>_<field>`
+    # (settings_prefix: the fusion's name unless given) with the environment override
+    # FUSIONPASS_<SETTING> (also FUSIONPASS_<FUSION>_<FIELD>).
+    options: type | None = None
+    settings_prefix: str | None = None
 
     def __post_init__(self):
-        if self.name not in FUSION_NAMES:
-            raise ValueError(f"{self.name!r} is not one of the stable fusion names {FUSION_NAMES}")
+        if not self.name.isidentifier() or self.name != self.name.lower():
+            raise ValueError(f"fusion name {self.name!r} is not a lower-case identifier")
+        if self.options is not None and not (dataclasses.is_dataclass(self.options)
+                                             and self.options.__dataclass_params__.frozen):
+            raise TypeError(f"{self.name}: options must be a frozen dataclass")
+
+    def settings(self) -> dict[str, dataclasses.Field]:
+        """{Config setting name: its options field}."""
+        if self.options is None:
+            return {}
+        prefix = self.settings_prefix or self.name
+        return {f"{prefix}_{f.name}": f for f in dataclasses.fields(self.options)}
+
+
+def option(default, doc: str):
+    """A field of a fusion's options dataclass: its default and one line saying what it does."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
 
 
 @dataclasses.dataclass
@@ -83,6 +108,8 @@ class Record:
     # report finer variant names in its Match, e.g. rope's "rotate_half_partial")
     searches: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     near_misses: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    # seconds the pass spent on each fusion (finding, guarding and replacing its matches)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def matched(self, fusion: str, variant: str, search: str) -> None:
         key = (fusion, variant)
@@ -103,20 +130,61 @@ def register(fusion: Fusion) -> Fusion:
     return fusion
 
 
+def unregister(name: str) -> None:
+    """Remove a fusion (tests that declare one of their own)."""
+    _FUSIONS.pop(name, None)
+
+
 def registered() -> dict[str, Fusion]:
-    """Declared fusions, in the order their passes run (the order of FUSION_NAMES)."""
+    """Declared fusions, in the order their passes run (`fusion_names()`)."""
     _load()
-    return {n: _FUSIONS[n] for n in FUSION_NAMES if n in _FUSIONS}
+    return {n: _FUSIONS[n] for n in fusion_names()}
+
+
+def fusion_names() -> tuple[str, ...]:
+    """Every declared fusion, in run order: each after the fusions it names in `after`, ties by
+    name (so the order does not depend on which module was imported first)."""
+    import heapq
+
+    _load()
+    waiting = {}
+    for name, fusion in _FUSIONS.items():
+        unknown = set(fusion.after) - set(_FUSIONS)
+        if unknown:
+            raise ValueError(f"fusion {name!r} runs after unknown fusion(s) {sorted(unknown)}")
+        waiting[name] = set(fusion.after)
+    ready = [n for n, deps in waiting.items() if not deps]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        name = heapq.heappop(ready)
+        order.append(name)
+        for other, deps in waiting.items():
+            if name in deps:
+                deps.discard(name)
+                if not deps:
+                    heapq.heappush(ready, other)
+    if len(order) != len(waiting):
+        raise ValueError(f"fusions run after each other in a cycle: {sorted(set(waiting) - set(order))}")
+    return tuple(order)
+
+
+_LOADED = []
 
 
 def _load() -> None:
-    # Importing the pattern modules declares their fusions.
+    # Importing every module of fusionpass.patterns declares their fusions: a new fusion's module
+    # needs no list to be added to.
+    if _LOADED:
+        return
     import importlib
+    import pkgutil
 
-    from fusionpass.patterns import MODULES
+    import fusionpass.patterns as package
 
-    for module in MODULES:
-        importlib.import_module(module)
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{info.name}")
+    _LOADED.append(True)
 
 
 def _is_erased(node: fx.Node) -> bool:

@@ -434,6 +434,19 @@ def test_explain_demo_llama():
     assert set(data["enabled"]) == set(fusionpass.FUSION_NAMES)
 
 
+def test_explain_reports_the_pass_time_per_fusion(caplog):
+    import logging
+
+    torch.manual_seed(0)
+    demo = DemoLlama(layers=1).eval()
+    with caplog.at_level(logging.DEBUG, logger="fusionpass"):
+        report = fusionpass.explain(demo, torch.randint(0, 256, (2, 16)))
+    assert set(fusionpass.FUSION_NAMES) <= set(report.pass_seconds)  # every enabled fusion ran
+    assert all(s >= 0 for s in report.pass_seconds.values()) and sum(report.pass_seconds.values()) > 0
+    assert "pass time:" in str(report) and "pass_seconds" in report.to_dict()
+    assert any("fusionpass pass over" in r.getMessage() for r in caplog.records)
+
+
 def test_explain_near_misses_and_training():
     narrow = Block(width=256)
     x = torch.randn(2, 8, 256, requires_grad=True)

@@ -88,13 +88,11 @@ from fusionpass.kernels.common import _TILE, _device_guard, _for_store, _round
 from fusionpass.kernels.launch import absent, launcher
 from fusionpass.kernels import rope as rope_kernels
 from fusionpass.kernels.rope import _pair_tiles, _rotate_pairs
-from fusionpass.kernels.layer_norm import (
-    _RNG_ARGS,
-    _fill_keep_mask,
-    _keep16,
-    _rng_args,
-    _rng_key,
-)
+from fusionpass.kernels.rng import RNG_ARGS as _RNG_ARGS
+from fusionpass.kernels.rng import fill_keep_mask as _fill_keep_mask
+from fusionpass.kernels.rng import keep_mask16 as _keep16
+from fusionpass.kernels.rng import rng_args as _rng_args
+from fusionpass.kernels.rng import rng_key as _rng_key
 
 __all__ = ["EMPTY_LSE", "HEAD_DIMS", "attention_bwd", "attention_dropout_constants", "attention_dropout_mask",
            "attention_fwd"]
@@ -1002,7 +1000,7 @@ def attention_dropout_constants(p: float) -> tuple[int, float]:
 
 
 def _rng16_args(p: float, seed, offset: int, device: torch.device):
-    """layer_norm's `_rng_args` (checks, seed and offset words) with attention's 16-bit threshold
+    """fusionpass.kernels.rng's `rng_args` (checks, seed and offset words) with attention's 16-bit threshold
     and its scale in place of the 32-bit ones."""
     seed_t, lo, hi, olo, ohi, _, _ = _rng_args(p, seed, offset, device)
     if float(p) == 0.0:

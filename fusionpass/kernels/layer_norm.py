@@ -12,32 +12,12 @@ Backward:  xhat = (h - mean) * rstd,  g = dy * w
 `LayerNorm(dropout(x) + residual)` with bf16 tensors in between; F.layer_norm and F.dropout compute
 in fp32 and round once). The scale and the keep test follow ATen's CUDA dropout.
 
-Dropout RNG (no mask tensor is ever stored)
--------------------------------------------
-Element (row, col) of the [M, N] view is kept iff  u32 >= round(p * 2**32), where u32 is output
-`col % 4` of Philox4x32-10 (triton's `tl.philox_impl`, the generator behind `tl.rand`) with
-    key     = (seed mod 2**64) as two 32-bit words
-    counter = (col // 4, row, offset mod 2**64 as two 32-bit words).
-Hence the keep probability is 1 - round(p * 2**32) / 2**32 (p to within 2**-32). One Philox call
-serves 4 neighbouring columns (tl.rand makes one call per element): for sm_90 the dropout adds
-~27 instructions per element (ptxas, bf16 forward, 2048-wide rows), next to ~50 for the rest of the
-kernel. (A 16-bit test, 8 columns per call, saved only ~7 of them and, for fp32 and the chunked
-paths, added shared-memory layout conversions.) The mask is
-a function of (seed, offset, row, col) only: forward and backward, every tile shape and every
-launcher knob regenerate the same bits, and `dropout_mask` (for tests) runs the same code.
-Different (seed, offset) pairs give independent streams (the offset is a counter word, so calls
-whose offsets differ by 1 do not overlap). The caller must pass a fresh seed per call -- e.g.
-`torch.randint(2**62, (1,), device=...)`, drawn from torch's generator -- or a per-layer offset,
-or every layer and every step drops the same elements. Inside traced code (torch.compile, a
-triton_op) pass the seed as a one-element int64 tensor: the kernels load it on the device, while a
-Python int would be baked into the compiled graph as a constant.
+Dropout draws from fusionpass.kernels.rng (Philox; no mask tensor is ever stored).
 
 Every kernel runs compiled on CUDA and unchanged under TRITON_INTERPRET=1 on CPU tensors; the only
 difference is ROUND_BITS (see `_round`).
 """
 from __future__ import annotations
-
-import struct
 
 import torch
 import triton
@@ -57,6 +37,12 @@ from fusionpass.kernels.common import (
     _warps_fwd,
 )
 from fusionpass.kernels.launch import absent, launcher
+from fusionpass.kernels.rng import RNG_ARGS as _RNG_ARGS
+from fusionpass.kernels.rng import RNG_GROUP as _RNG_GROUP
+from fusionpass.kernels.rng import dropout_mask  # noqa: F401  (the keep mask of these kernels, for tests)
+from fusionpass.kernels.rng import keep_mask as _keep
+from fusionpass.kernels.rng import rng_args as _rng_args
+from fusionpass.kernels.rng import rng_key as _rng_key
 
 __all__ = ["dropout_mask", "layer_norm_bwd", "layer_norm_fwd"]
 
@@ -72,98 +58,9 @@ _BWD_REGS = 116
 _CHUNK = 4096
 # The backward is persistent; more programs per SM than this only grows the dweight partials.
 _MAX_PROGRAMS_PER_SM = 4
-# Philox rounds (Philox4x32-10, as tl.rand and cuRAND).
-_N_ROUNDS = tl.constexpr(10)
-# Random words per Philox call: one call covers this many neighbouring columns.
-_RNG_GROUP = 4
-# Runtime RNG arguments: never specialized (a fresh seed per call must not recompile the kernel).
-_RNG_ARGS = ["seed_lo", "seed_hi", "off_lo", "off_hi", "thr"]
 
 
-# --------------------------------------------------------------------------------------------------
-# Dropout RNG
-# --------------------------------------------------------------------------------------------------
-@triton.jit
-def _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR: tl.constexpr, DROPOUT: tl.constexpr):
-    """(k0, k1, o0, o1, threshold) as uint32 scalars (placeholder zeros without DROPOUT). The 32-bit
-    words arrive as int32 (always the same kernel signature), the seed optionally as an int64 in
-    device memory."""
-    if DROPOUT:
-        if SEED_PTR:
-            s = tl.load(SEED)
-            k0 = (s & 0xFFFFFFFF).to(tl.uint32)
-            k1 = ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        else:
-            k0 = tl.cast(seed_lo, tl.int32).to(tl.uint32, bitcast=True)
-            k1 = tl.cast(seed_hi, tl.int32).to(tl.uint32, bitcast=True)
-        o0 = tl.cast(off_lo, tl.int32).to(tl.uint32, bitcast=True)
-        o1 = tl.cast(off_hi, tl.int32).to(tl.uint32, bitcast=True)
-        t = tl.cast(thr, tl.int32).to(tl.uint32, bitcast=True)
-    else:
-        k0, k1, o0, o1, t = 0, 0, 0, 0, 0
-    return k0, k1, o0, o1, t
 
-
-@triton.jit
-def _philox_words(k0, k1, o0, o1, rows, col0, COLS_PER_CALL: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """The Philox4x32 outputs for rows `rows` ([BLOCK_M] int32) and columns col0 + [0, BLOCK_N), one
-    call per COLS_PER_CALL neighbouring columns: counter (col // COLS_PER_CALL, row, o0, o1), key
-    (k0, k1). Returned as [BLOCK_M, G, 2, 2] (G calls per row) with (j, s) = (0, 0) -> r0, (0, 1) -> r1,
-    (1, 0) -> r2, (1, 1) -> r3: its row-major flattening is r0, r1, r2, r3 of each call in turn."""
-    G: tl.constexpr = BLOCK_N // COLS_PER_CALL
-    zero = tl.zeros([BLOCK_M, G], dtype=tl.uint32)
-    c0 = zero + ((col0 // COLS_PER_CALL) + tl.arange(0, G)).to(tl.uint32)[None, :]
-    c1 = zero + rows.to(tl.uint32, bitcast=True)[:, None]
-    c2 = zero + o0
-    c3 = zero + o1
-    r0, r1, r2, r3 = tl.philox_impl(c0, c1, c2, c3, k0, k1, _N_ROUNDS)
-    return tl.join(tl.join(r0, r2), tl.join(r1, r3))
-
-
-@triton.jit
-def _keep(k0, k1, o0, o1, thr, rows, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keep mask [BLOCK_M, BLOCK_N] of rows `rows` ([BLOCK_M] int32) and columns col0 + [0, BLOCK_N)
-    (col0 a multiple of 4). One Philox4x32 call per 4 neighbouring columns: counter
-    (col // 4, row, o0, o1), key (k0, k1); its output i decides column 4 * (col // 4) + i."""
-    w = _philox_words(k0, k1, o0, o1, rows, col0, 4, BLOCK_M, BLOCK_N)
-    return tl.reshape(w, [BLOCK_M, BLOCK_N]) >= thr
-
-
-@triton.jit
-def _keep16(k0, k1, o0, o1, thr16, rows, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keep mask [BLOCK_M, BLOCK_N] of rows `rows` ([BLOCK_M] int32) and columns col0 + [0, BLOCK_N)
-    (col0 a multiple of 8): one Philox4x32 call per 8 neighbouring columns, counter
-    (col // 8, row, o0, o1), key (k0, k1); the low / high 16 bits of its output w decide column
-    8 * (col // 8) + 2w / 2w + 1, kept iff >= thr16."""
-    w = _philox_words(k0, k1, o0, o1, rows, col0, 8, BLOCK_M, BLOCK_N)
-    # joining the halves last makes them the fastest index: w0 lo, w0 hi, w1 lo, ...
-    halves = tl.join(w & 0xFFFF, w >> 16)
-    return tl.reshape(halves, [BLOCK_M, BLOCK_N]) >= thr16
-
-
-@triton.jit
-def _mask_kernel(
-    OUT, SEED, M, N, stride_o, seed_lo, seed_hi, off_lo, off_hi, thr,
-    SEED_PTR: tl.constexpr, HALVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # The keep mask as int8, for tests: the same _keep the forward and backward call (HALVES: the
-    # attention kernels' _keep16).
-    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, True)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col0 = tl.program_id(1) * BLOCK_N
-    c = col0 + tl.arange(0, BLOCK_N)[None, :]
-    mask = (rows < M)[:, None] & (c < N)
-    if HALVES:
-        keep = _keep16(k0, k1, o0, o1, t, rows, col0, BLOCK_M, BLOCK_N)
-    else:
-        keep = _keep(k0, k1, o0, o1, t, rows, col0, BLOCK_M, BLOCK_N)
-    tl.store(OUT + rows.to(tl.int64)[:, None] * stride_o + c, keep.to(tl.int8), mask=mask)
-
-
-# --------------------------------------------------------------------------------------------------
-# Forward
-# --------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=_RNG_ARGS)
 def _fwd_kernel(
     X, R, W, B, Y, H, MEAN, RSTD, SEED,
@@ -502,73 +399,6 @@ def _check_param(p, n, device, what):
         raise ValueError(f"{what} is on a different device")
     if p.stride(0) != 1:
         raise ValueError(f"{what} must be contiguous")
-
-
-def _i32(v: int) -> int:
-    """A 32-bit word as a signed int32 value (kernel arguments keep one type: int32)."""
-    v &= 0xFFFFFFFF
-    return v - (1 << 32) if v >= (1 << 31) else v
-
-
-def _rng_args(p: float, seed, offset: int, device: torch.device):
-    """(SEED tensor or None, seed_lo, seed_hi, off_lo, off_hi, thr, scale) for dropout probability p."""
-    p = float(p)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    if p == 0.0:
-        return None, 0, 0, 0, 0, 0, 1.0
-    if seed is None:
-        raise ValueError("dropout with p > 0 needs a seed")
-    offset = int(offset)
-    if isinstance(seed, torch.Tensor):
-        if seed.dtype != torch.int64 or seed.numel() < 1 or seed.device != device:
-            raise ValueError("a seed tensor must be int64 with at least one element, on the inputs' device")
-        seed_t, lo, hi = seed, 0, 0
-    else:
-        seed = int(seed)
-        seed_t, lo, hi = None, _i32(seed), _i32(seed >> 32)
-    thr = min(round(p * 2.0**32), 2**32 - 1)
-    # As ATen's CUDA dropout: scale = 1 / float32(1 - p), applied in fp32. (struct, not a torch
-    # tensor: this also runs while torch.compile traces a triton_op.)
-    keep = struct.unpack("f", struct.pack("f", 1.0 - p))[0]
-    return seed_t, lo, hi, _i32(offset), _i32(offset >> 32), _i32(thr), 1.0 / keep
-
-
-def dropout_mask(shape, p: float, seed, offset: int = 0, device="cpu", *, block_n: int | None = None) -> torch.Tensor:
-    """The keep mask (bool, `shape`) that layer_norm_fwd/bwd use for rows of the last dim of
-    `shape`, for tests. `block_n` (a power of two >= 4) only changes the tiling, not the result."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    shape = tuple(shape)
-    n = shape[-1] if shape else 1
-    out = torch.empty(shape, dtype=torch.int8, device=device)
-    seed_t, lo, hi, olo, ohi, thr, _ = _rng_args(p, seed, offset, device)
-    if float(p) == 0.0:
-        return torch.ones(shape, dtype=torch.bool, device=device)
-    if out.numel() == 0:
-        return out.bool()
-    o2 = out.view(-1, n)
-    if block_n is None:
-        bn = max(_RNG_GROUP, min(_TILE, triton.next_power_of_2(n)))
-    elif block_n < _RNG_GROUP or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= {_RNG_GROUP}")
-    else:
-        bn = block_n
-    _fill_keep_mask(o2, (seed_t, lo, hi, olo, ohi, thr), bn, halves=False)
-    return out.bool()
-
-
-def _fill_keep_mask(out: torch.Tensor, rng: tuple, block_n: int, halves: bool) -> None:
-    """Write the keep bits of the rows of the 2-d int8 `out` (rng: `_rng_args`' seed tensor, seed
-    and offset words and threshold; halves: attention's 16-bit bits)."""
-    seed_t, lo, hi, olo, ohi, thr = rng
-    m, n = out.shape
-    bm = max(1, _TILE // block_n)
-    with _device_guard(out.device):
-        launcher(_mask_kernel, out)[(triton.cdiv(m, bm), triton.cdiv(n, block_n))](
-            out, seed_t if seed_t is not None else absent(out), m, n, out.stride(0), lo, hi, olo, ohi, thr,
-            SEED_PTR=seed_t is not None, HALVES=halves, BLOCK_M=bm, BLOCK_N=block_n, num_warps=4)
 
 
 def layer_norm_fwd(

@@ -1,11 +1,7 @@
-"""torch.library custom ops "fusionpass::<name>"; importing this package registers them."""
-from fusionpass.ops import (  # noqa: F401
-    attention,
-    cross_entropy,
-    decode_attention,
-    flash_attention,
-    layer_norm,
-    rms_norm,
-    rope,
-    swiglu,
-)
+"""torch.library custom ops "fusionpass::<name>"; importing this package registers them (every
+module in it, so a new op module needs no list to be added to)."""
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+for _info in _pkgutil.iter_modules(__path__):
+    _importlib.import_module(f"{__name__}.{_info.name}")

@@ -36,6 +36,7 @@ kernel time at B4 H16/4 S2048 D128, and no copy kernels; benchmarks/results/).
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -45,9 +46,10 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusionpass import registry
 from fusionpass.patterns import eager_attention as eager
+from fusionpass.patterns import dropout as dp
 from fusionpass.patterns import graph as g
 from fusionpass.patterns import masks
-from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
+from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -189,11 +191,7 @@ def _grouped_kv(args: dict) -> tuple[fx.Node, fx.Node, int] | None:
 # guards
 
 
-def device_supported(m: Match, cfg) -> str | None:
-    device = g.tensor(m.bindings["args"]["query"]).device
-    if device.type == "cuda" or (device.type == "cpu" and cfg.cpu):
-        return None
-    return f"device {device.type}: left to Inductor"
+device_supported = g.device_supported(lambda b: b["args"]["query"])
 
 
 def mask_covers_the_scores(m: Match, cfg) -> str | None:
@@ -634,9 +632,8 @@ def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
     p = float(args["dropout_p"])
     seed = None
     if p > 0:
-        from fusionpass.patterns.layer_norm import _insert_seed
 
-        seed = _insert_seed(graph, node, q)
+        seed = dp.insert_seed(graph, node, q)
     causal = b["kind"] != "none"
     e = b.get("eager")
     if e is not None and (e.key_bias is not None or e.mask_bias is not None):
@@ -682,9 +679,29 @@ def _kernel_on(cfg) -> bool:
     return cfg.attention_kernel
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """attention's opt-in routes."""
+
+    # Masks that are causal/all-true AND key padding from a run-time attention_mask become a
+    # torch.cond on one "all true?" check per forward. Off by default: Inductor's cond lowering
+    # crashed Llama-family inference graphs and refuses q/k/v that alias one tensor (GPT-2's
+    # split), seen on CPU (tests/patterns/test_attention_masks.py); never on CUDA, where the
+    # lowering failed in every conformance case (`run_time_check_allowed`).
+    runtime_check: bool = option(False, "causal/all-true masks AND run-time key padding -> torch.cond "
+                                        "on one all-true check per forward (CPU graphs only)")
+    # Off by default: against SDPA's own kernels it won on Llama with an all-ones mask and lost on
+    # BERT-base (benchmarks/results/2026-11-30-h200-attention-kernel.md). Eager-math attention goes
+    # to the kernel regardless. Where on, it is preferred over the torch.cond check above.
+    kernel: bool = option(False, "SDPA with a proven sliding-window mask, or causal/all-true AND "
+                                 "run-time key padding -> fusionpass::flash_attention")
+
+
 ATTENTION = registry.register(
     Fusion(
         name="attention",
+        after=("decode_attention", "rope"),
+        options=Options,
         matches=(
             "eager-math attention (BLOOM's baddbmm of the ALiBi tensor, MPT's added ALiBi slice and "
             "masked_fill, Falcon's ALiBi in scores and mask, GPT-2's matmul / scale / "

@@ -48,7 +48,6 @@ from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
 
 _TOKEN_MAJOR_ARG = 11  # position of `token_major` in fusionpass::flash_attention's schema
-_VIEWS = ("view", "reshape", torch.reshape, torch.Tensor.view, torch.Tensor.reshape)
 _TRANSPOSES = ("transpose", torch.transpose)
 _PERMUTES = ("permute", torch.permute)
 _LINEARS = (torch._C._nn.linear, F.linear)
@@ -59,10 +58,6 @@ _ADDMMS = (torch.addmm, "addmm")
 def _flash_attention():
     # registered by fusionpass.ops, which the pass imports before any fusion runs
     return torch.ops.fusionpass.flash_attention.default
-
-
-def _is_call(node, targets) -> bool:
-    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and node.target in targets
 
 
 def _token_major(call: fx.Node) -> bool:
@@ -95,7 +90,7 @@ def _only_user(node: fx.Node) -> fx.Node | None:
 
 def _attention_output(call: fx.Node) -> fx.Node:
     """The `call[0]` node (out; call[1] is lse). Raises NearMiss when out has other readers."""
-    outs = [u for u in call.users if _is_call(u, (operator.getitem,)) and u.args[1] == 0]
+    outs = [u for u in call.users if g.is_call(u, (operator.getitem,)) and u.args[1] == 0]
     if len(outs) != 1:
         raise NearMiss("the attention output is not taken exactly once from the op")
     out = outs[0]
@@ -106,10 +101,10 @@ def _attention_output(call: fx.Node) -> fx.Node:
 
 def _swaps_heads_and_tokens(node) -> bool:
     """node is x.transpose(1, 2) (either order, negative dims allowed) or x.permute(0, 2, 1, 3)."""
-    if _is_call(node, _TRANSPOSES):
+    if g.is_call(node, _TRANSPOSES):
         dims = node.args[1:3] if len(node.args) == 3 else ()
         return len(dims) == 2 and all(isinstance(d, int) for d in dims) and {d % 4 for d in dims} == {1, 2}
-    if _is_call(node, _PERMUTES):
+    if g.is_call(node, _PERMUTES):
         dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
         return [d % 4 if isinstance(d, int) else d for d in dims] == [0, 2, 1, 3]
     return False
@@ -119,7 +114,7 @@ def _past_contiguous(node: fx.Node) -> fx.Node:
     """Follow `.contiguous()` calls (no-ops once the layout is token-major) to the last one."""
     while True:
         user = _only_user(node)
-        if not (_is_call(user, ("contiguous",)) and len(user.args) == 1 and not user.kwargs):
+        if not (g.is_call(user, ("contiguous",)) and len(user.args) == 1 and not user.kwargs):
             return node
         node = user
 
@@ -128,15 +123,15 @@ def _projection(x: fx.Node, width) -> tuple[str, fx.Node] | None:
     """(kind, node) of the projection that reads x [B, S, H*D]: linear(x, W, b), matmul(x, W), or
     Conv1D's addmm(b, x.view(-1, H*D), W)."""
     user = _only_user(x)
-    if _is_call(user, _LINEARS) and user.args and user.args[0] is x:
+    if g.is_call(user, _LINEARS) and user.args and user.args[0] is x:
         return "linear", user
-    if _is_call(user, _MATMULS) and len(user.args) == 2 and user.args[0] is x:
+    if g.is_call(user, _MATMULS) and len(user.args) == 2 and user.args[0] is x:
         return "matmul", user
-    if _is_call(user, _VIEWS) and user.args[0] is x and len(_shape(user) or ()) == 2 and _same(
+    if g.is_call(user, g.VIEWS) and user.args[0] is x and len(_shape(user) or ()) == 2 and _same(
         _shape(user)[1:], (width,)
     ):
         mm = _only_user(user)
-        if _is_call(mm, _ADDMMS) and len(mm.args) >= 3 and mm.args[1] is user:
+        if g.is_call(mm, _ADDMMS) and len(mm.args) >= 3 and mm.args[1] is user:
             return "addmm", mm
     return None
 
@@ -150,7 +145,7 @@ def _merge(start: fx.Node, shape: tuple) -> tuple[list[fx.Node], tuple[str, fx.N
         return None
     x = _past_contiguous(t)
     r = _only_user(x)
-    if not (_is_call(r, _VIEWS) and r.args[0] is x and _same(_shape(r), (B, S, H * D))):
+    if not (g.is_call(r, g.VIEWS) and r.args[0] is x and _same(_shape(r), (B, S, H * D))):
         return None
     x = _past_contiguous(r)
     proj = _projection(x, H * D)
@@ -183,10 +178,10 @@ def _merge_heads_search(call: fx.Node) -> Match | None:
         return None
     B, H, S, D = shape
     flat = _only_user(out)
-    if not (_is_call(flat, _VIEWS) and _same(_shape(flat), (B * H, S, D))):
+    if not (g.is_call(flat, g.VIEWS) and _same(_shape(flat), (B * H, S, D))):
         return None
     heads = _only_user(flat)
-    if not (_is_call(heads, _VIEWS) and heads.args[0] is flat and _same(_shape(heads), shape)):
+    if not (g.is_call(heads, g.VIEWS) and heads.args[0] is flat and _same(_shape(heads), shape)):
         return None
     found = _merge(heads, shape)
     if found is None:
@@ -196,8 +191,7 @@ def _merge_heads_search(call: fx.Node) -> Match | None:
                  dict(out=out, projection=proj, kind=kind, round_trip=(flat, heads)))
 
 
-def device_supported(m: Match, cfg) -> str | None:
-    return g.unsupported_device(g.tensor(m.bindings["out"]), cfg)
+device_supported = g.device_supported(lambda b: b["out"])
 
 
 def replace(graph: fx.Graph, m: Match, cfg) -> None:
@@ -215,7 +209,7 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
             value = call.target(*fake, **kwargs)
         call.meta["example_value"] = value
         for user in call.users:
-            if _is_call(user, (operator.getitem,)):
+            if g.is_call(user, (operator.getitem,)):
                 user.meta["example_value"] = value[user.args[1]]
     round_trip = m.bindings["round_trip"]
     if round_trip:
@@ -228,6 +222,7 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
 ATTENTION_OUT_PROJ = registry.register(
     Fusion(
         name="attention_out_proj",
+        after=("attention", "rope_attention"),
         matches=(
             "fusionpass::flash_attention output merged back to [B, S, H*D] for the output projection "
             "(transpose(1, 2) [.contiguous()] .reshape/.view, BLOOM's _merge_heads view/permute/reshape) "

@@ -40,7 +40,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusionpass import registry
 from fusionpass.patterns import graph as g
-from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
+from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
 
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 _LINEAR = (torch._C._nn.linear,)  # F.linear is the same builtin
@@ -357,8 +357,7 @@ VARIANTS = (
 # guards
 
 
-def device_supported(m: Match, cfg) -> str | None:
-    return g.unsupported_device(g.tensor(m.bindings["chain"].h), cfg)
+device_supported = g.device_supported(lambda b: b["chain"].h)
 
 
 def dtypes_agree(m: Match, cfg) -> str | None:
@@ -493,9 +492,19 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
     g.erase_unused(graph, [ce, *reversed(chain.nodes), *b["label_nodes"]])
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """linear_cross_entropy's cost rule: on the H200 the op won at Llama 3's vocabulary and training
+    steps with it at GPT-2's and BERT's were slower than plain torch.compile
+    (benchmarks/results/2026-11-30-h200-linear_cross_entropy.md)."""
+
+    min_vocab: int = option(100_000, "smallest vocabulary fused")
+
+
 LINEAR_CROSS_ENTROPY = registry.register(
     Fusion(
         name="linear_cross_entropy",
+        options=Options,
         matches=(
             "F.cross_entropy over the logits of a vocabulary projection (lm_head, F.linear, "
             "h @ W.t()) as HF ForCausalLMLoss writes it (.float(), view(-1, V), ignore_index, "

@@ -260,8 +260,7 @@ def _search(node: fx.Node, args: dict, mask: fx.Node, nodes: list, extra_mask_no
 # guards
 
 
-def device_supported(m: Match, cfg) -> str | None:
-    return g.unsupported_device(g.tensor(m.bindings["args"]["query"]), cfg)
+device_supported = g.device_supported(lambda b: b["args"]["query"])
 
 
 def inference_only(m: Match, cfg) -> str | None:
@@ -338,6 +337,7 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
 DECODE_ATTENTION = registry.register(
     Fusion(
         name="decode_attention",
+        after=("rope",),
         matches=(
             "SDPA or eager-math attention (matmul, additive mask, softmax, matmul) of at most 16 "
             "query tokens over a static KV cache with transformers' decode mask "

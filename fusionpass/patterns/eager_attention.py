@@ -43,6 +43,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from fusionpass.patterns import dropout as dp
 from fusionpass.patterns import graph as g
 from fusionpass.patterns import masks
 from fusionpass.registry import NearMiss
@@ -50,13 +51,8 @@ from fusionpass.registry import NearMiss
 _MATMULS = (torch.matmul, operator.matmul, "matmul")
 _BMMS = (torch.bmm, "bmm")
 _SOFTMAXES = (F.softmax, torch.softmax, "softmax")
-_VIEWS = ("view", "reshape", torch.reshape)
 # the additive mask's fill must drive exp() to exactly 0 next to any visible score
 _MASK_FILL_MAX = -1e4
-
-
-def _is_call(node, targets) -> bool:
-    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and node.target in targets
 
 
 def _arg(node: fx.Node, i: int, name: str, default=None):
@@ -66,19 +62,17 @@ def _arg(node: fx.Node, i: int, name: str, default=None):
 def is_anchor(node) -> bool:
     """The probabilities-times-values product that ends an eager attention: a bmm or matmul whose
     left operand is a softmax over the last dim (through views, a dropout and casts)."""
-    if not (_is_call(node, _MATMULS + _BMMS) and len(node.args) == 2):
+    if not (g.is_call(node, _MATMULS + _BMMS) and len(node.args) == 2):
         return False
-    from fusionpass.patterns.layer_norm import _dropout_args
-
     x = node.args[0]
     for _ in range(4):
-        if _is_call(x, _VIEWS) or _dropout_args(x) is not None:
+        if g.is_call(x, g.VIEWS) or dp.dropout_args(x) is not None:
             x = g.first_arg(x)
         elif g.cast_source(x) is not None:
             x = g.cast_source(x)
         else:
             break
-    return _is_call(x, _SOFTMAXES)
+    return g.is_call(x, _SOFTMAXES)
 
 
 def _shape(node) -> tuple | None:
@@ -94,7 +88,7 @@ def _same(shape, expected) -> bool:
 
 def _heads_4d(node) -> fx.Node | None:
     """x if node is `x.reshape(B*H, L, D)` of a 4-D x [B, H, L, D] (BLOOM folds heads into batch)."""
-    if not _is_call(node, _VIEWS):
+    if not g.is_call(node, g.VIEWS):
         return None
     src = g.first_arg(node)
     s = _shape(src)
@@ -105,7 +99,7 @@ def _heads_4d(node) -> fx.Node | None:
 
 def _transposed_last(node) -> fx.Node | None:
     """x if node is x.transpose(-1, -2) (or (2, 3) / (1, 2) on 4-D / 3-D x)."""
-    if not _is_call(node, ("transpose", torch.transpose)):
+    if not g.is_call(node, ("transpose", torch.transpose)):
         return None
     x = g.first_arg(node)
     s = _shape(x)
@@ -160,7 +154,7 @@ def _scale_of(node: fx.Node) -> tuple[fx.Node, float] | None:
     pairs = g.commuted(node) if kind == "mul" else [g.binary_operands(node) or (None, None)]
     for x, c in pairs:
         value = c
-        if _is_call(c, (torch.full,)) and _arg(c, 0, "size") in ([], ()) and len(c.users) == 1:
+        if g.is_call(c, (torch.full,)) and _arg(c, 0, "size") in ([], ()) and len(c.users) == 1:
             value = _arg(c, 1, "fill_value")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0 and isinstance(x, fx.Node):
             return x, (float(value) if kind == "mul" else 1.0 / float(value))
@@ -170,9 +164,9 @@ def _scale_of(node: fx.Node) -> tuple[fx.Node, float] | None:
 def _number(x):
     """A literal, `torch.tensor(c)` or `torch.full((), c)` (transformers' zero of the additive mask)
     as a Python number, else None."""
-    if _is_call(x, (torch.tensor,)) and len(x.args) == 1 and isinstance(x.args[0], (int, float)):
+    if g.is_call(x, (torch.tensor,)) and len(x.args) == 1 and isinstance(x.args[0], (int, float)):
         return x.args[0]
-    if _is_call(x, (torch.full,)) and len(x.args) == 2 and x.args[0] in ((), []):
+    if g.is_call(x, (torch.full,)) and len(x.args) == 2 and x.args[0] in ((), []):
         x = x.args[1]
     return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
@@ -183,7 +177,7 @@ def _additive_mask(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     while g.cast_source(node) is not None:
         nodes.append(node)
         node = g.cast_source(node)
-    if not (_is_call(node, (torch.where,)) and len(node.args) == 3 and not node.kwargs):
+    if not (g.is_call(node, (torch.where,)) and len(node.args) == 3 and not node.kwargs):
         return None
     cond, keep, fill = node.args
     if g.dtype(cond) != torch.bool:
@@ -199,12 +193,12 @@ def _masked_fill(node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     """(scores, visible, nodes) for `scores.masked_fill(masked, fill)` with a very negative fill,
     where `masked` is transformers' additive mask cast to bool (MPT: True where the additive mask
     is its fill, i.e. where the boolean mask under it is False)."""
-    if not _is_call(node, ("masked_fill", torch.masked_fill)) or len(node.args) != 3 or node.kwargs:
+    if not g.is_call(node, ("masked_fill", torch.masked_fill)) or len(node.args) != 3 or node.kwargs:
         return None
     scores, masked, fill = node.args
     if not isinstance(fill, (int, float)) or isinstance(fill, bool) or fill > _MASK_FILL_MAX:
         return None
-    if not (_is_call(masked, ("to",)) and g.dtype(masked) == torch.bool and len(masked.args) == 2):
+    if not (g.is_call(masked, ("to",)) and g.dtype(masked) == torch.bool and len(masked.args) == 2):
         return None
     found = _additive_mask(masked.args[0])
     if found is None:
@@ -248,15 +242,15 @@ def _masked_positions(cond) -> tuple[fx.Node, list[fx.Node]] | None:
     """(m, nodes) when `cond` is True exactly where the boolean mask m is False:
     `where(m, 0, fill) < c` with fill < c <= 0 (Falcon), `where(m, 0, fill).to(bool)` (MPT's
     spelling), `~m` / `logical_not(m)`."""
-    if _is_call(cond, _NOTS) and len(cond.args) == 1 and g.dtype(cond.args[0]) == torch.bool:
+    if g.is_call(cond, _NOTS) and len(cond.args) == 1 and g.dtype(cond.args[0]) == torch.bool:
         return cond.args[0], [cond]
-    if _is_call(cond, _LESS) and len(cond.args) == 2 and not cond.kwargs and isinstance(cond.args[0], fx.Node):
+    if g.is_call(cond, _LESS) and len(cond.args) == 2 and not cond.kwargs and isinstance(cond.args[0], fx.Node):
         found, c = _additive_mask(cond.args[0]), _number(cond.args[1])
         # 0 (visible) is not below c, the fill is: the comparison is exactly `not m`
         if found is not None and c is not None and _additive_fill(cond.args[0]) < c <= 0:
             return found[0], [cond, *found[1]]
         return None
-    if _is_call(cond, ("to",)) and g.dtype(cond) == torch.bool and len(cond.args) == 2 and not cond.kwargs:
+    if g.is_call(cond, ("to",)) and g.dtype(cond) == torch.bool and len(cond.args) == 2 and not cond.kwargs:
         found = _additive_mask(cond.args[0]) if isinstance(cond.args[0], fx.Node) else None
         if found is not None:  # 0 -> False, the (nonzero) fill -> True
             return found[0], [cond, *found[1]]
@@ -273,7 +267,7 @@ def biased_mask(node) -> BiasedMask | None:
     Falcon's `masked_fill(alibi / sqrt(d), where(m, 0, min) < -1, min)`, or transformers'
     additive mask plus a bias, `where(m, 0, fill) + bias`. The bias is any float tensor here;
     callers check it is per key."""
-    if _is_call(node, ("masked_fill", torch.masked_fill)) and len(node.args) == 3 and not node.kwargs:
+    if g.is_call(node, ("masked_fill", torch.masked_fill)) and len(node.args) == 3 and not node.kwargs:
         bias, cond, fill = node.args
         fill = _number(fill)
         found = _masked_positions(cond)
@@ -321,9 +315,9 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
     when it is not one, NearMiss when it is one this route cannot take."""
     e = Eager(anchor)
     probs, v = anchor.args
-    folded = _is_call(anchor, _BMMS)
+    folded = g.is_call(anchor, _BMMS)
     if folded:
-        probs4 = probs if _is_call(probs, _VIEWS) else None
+        probs4 = probs if g.is_call(probs, g.VIEWS) else None
         v4 = _heads_4d(v)
         if probs4 is None or v4 is None:
             return None
@@ -333,7 +327,7 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
         if len(_shape(probs) or ()) != 4:
             return None
         v = v4
-    elif _is_call(probs, _VIEWS) and _same(_shape(g.first_arg(probs)), _shape(probs) or ()):
+    elif g.is_call(probs, g.VIEWS) and _same(_shape(g.first_arg(probs)), _shape(probs) or ()):
         # Falcon views the probabilities as the shape they already have
         _single_use(probs, anchor)
         e.nodes.append(probs)
@@ -341,11 +335,9 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
     if len(_shape(probs) or ()) != 4 or len(_shape(v) or ()) != 4:
         return None
 
-    from fusionpass.patterns.layer_norm import _dropout
-
     # dropout (active or not), then casts, then the softmax
     node, user = probs, e.nodes[-1]
-    d = _dropout(node)
+    d = dp.dropout_of(node)
     if d is not None:
         _single_use(node, user)
         e.nodes.append(node)
@@ -355,7 +347,7 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
             e.dropout_p = d.p
         user, node = node, d.x
     user, node = _through_casts(e, node, user)
-    if not _is_call(node, _SOFTMAXES):
+    if not g.is_call(node, _SOFTMAXES):
         return None
     dim = _arg(node, 1, "dim")
     if dim not in (-1, 3):
@@ -398,7 +390,7 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
         user, node = node, a
 
     # the scores: view(baddbmm(key_bias, q3, k3^T)), matmul(q, k^T) [* or / constant]
-    if _is_call(node, _VIEWS) and _is_call(g.first_arg(node), (torch.baddbmm, "baddbmm")):
+    if g.is_call(node, g.VIEWS) and g.is_call(g.first_arg(node), (torch.baddbmm, "baddbmm")):
         _single_use(node, user)
         e.nodes.append(node)
         user, node = node, g.first_arg(node)
@@ -437,12 +429,12 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
                 e.key_bias, e.key_bias_scale = pair[1], e.scale
                 user, node = node, pair[0]
         # Falcon views the scores as the shape they already have, and upcasts bf16/fp16 ones
-        if _is_call(node, _VIEWS) and _same(_shape(g.first_arg(node)), _shape(node) or ()):
+        if g.is_call(node, g.VIEWS) and _same(_shape(g.first_arg(node)), _shape(node) or ()):
             _single_use(node, user)
             e.nodes.append(node)
             user, node = node, g.first_arg(node)
         user, node = _through_casts(e, node, user)
-        if not _is_call(node, _MATMULS) or len(node.args) != 2:
+        if not g.is_call(node, _MATMULS) or len(node.args) != 2:
             return None
         q, kt = node.args
         k = _transposed_last(kt)
@@ -460,7 +452,7 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
 def _folded(e: Eager, q: fx.Node) -> bool:
     """The bias is BLOOM's [B*H, 1, Lk] (added by baddbmm to the head-folded scores)."""
     qs = g.tensor(q).shape
-    return len(e.nodes) > 0 and any(_is_call(n, (torch.baddbmm, "baddbmm")) for n in e.nodes) and _same(
+    return len(e.nodes) > 0 and any(g.is_call(n, (torch.baddbmm, "baddbmm")) for n in e.nodes) and _same(
         tuple(g.tensor(e.key_bias).shape)[:1], (qs[0] * qs[1],))
 
 

@@ -72,6 +72,16 @@ def is_op(node, name: str) -> bool:
     return op(node) == name
 
 
+# One table of op spellings: a Dynamo graph writes a reshape as a method call or as a function of
+# torch or torch.Tensor
+VIEWS = ("view", "reshape", torch.reshape, torch.Tensor.view, torch.Tensor.reshape)
+
+
+def is_call(node, targets) -> bool:
+    """A call_function or call_method node whose target is in `targets` (functions and method names)."""
+    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and node.target in targets
+
+
 def value(node):
     """The example value Dynamo recorded for a node (FakeTensor, SymInt, SymFloat, ...)."""
     if isinstance(node, fx.Node):
@@ -205,6 +215,15 @@ def unsupported_device(t: torch.Tensor, cfg) -> str | None:
     return f"device {t.device.type}: Inductor's own code runs there"
 
 
+def device_supported(node_of):
+    """A fusion's "device" guard: `unsupported_device` of the tensor of node `node_of(bindings)`
+    (the input that decides where the fused op runs)."""
+    def guard(m, cfg) -> str | None:
+        return unsupported_device(tensor(node_of(m.bindings)), cfg)
+
+    return guard
+
+
 def last_dim_contiguous(t: torch.Tensor) -> bool:
     return t.dim() == 0 or t.shape[-1] == 1 or t.stride(-1) == 1
 
@@ -273,3 +292,20 @@ def erase_unused(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
                 graph.erase_node(n)
                 pending.remove(n)
                 changed = True
+
+
+def call_args(node: fx.Node, names: tuple[str, ...], defaults: dict) -> dict | None:
+    """Positional and keyword arguments of a call by parameter name; None if unknown ones."""
+    if len(node.args) > len(names) or set(node.kwargs) - set(names):
+        return None
+    args = dict(defaults)
+    args.update(zip(names, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def copy_provenance(new: fx.Node, like: fx.Node) -> None:
+    """Where `new` came from, for Inductor's provenance and error messages: `like`'s."""
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
+        if key in like.meta:
+            new.meta[key] = like.meta[key]

@@ -35,6 +35,7 @@ first one fuses it (`dropout`, h returned), the second reads that h.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -42,74 +43,26 @@ import torch.nn.functional as F
 from torch import fx
 
 from fusionpass import registry
+from fusionpass.patterns import dropout as dp
 from fusionpass.patterns import graph as g
-from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
+from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
 
 _LAYER_NORMS = (F.layer_norm, torch.layer_norm)
-_DROPOUTS = (F.dropout, torch.dropout)
-# seeds are drawn in [0, 2**62): non-negative int64, 62 random bits for Philox's 64-bit key
-_SEED_HIGH = 2**62
 
 # ---------------------------------------------------------------------------------------------
 # reading the graph
-
-
-def _call_args(node: fx.Node, names: tuple[str, ...], defaults: dict) -> dict | None:
-    """Positional and keyword arguments of a call by parameter name; None if unknown ones."""
-    if len(node.args) > len(names) or set(node.kwargs) - set(names):
-        return None
-    args = dict(defaults)
-    args.update(zip(names, node.args))
-    args.update(node.kwargs)
-    return args
 
 
 def _layer_norm_args(node) -> dict | None:
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _LAYER_NORMS):
         return None
     names = ("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable")
-    return _call_args(node, names, {"weight": None, "bias": None, "eps": 1e-5})
-
-
-def _dropout_args(node) -> dict | None:
-    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _DROPOUTS):
-        return None
-    if node.target is torch.dropout:
-        args = _call_args(node, ("input", "p", "train"), {})
-        if args is not None:
-            args["training"] = args.pop("train", None)
-        return args
-    return _call_args(node, ("input", "p", "training", "inplace"), {"p": 0.5, "training": True})
-
-
-class _Dropout:
-    """A dropout node: `active` when it drops in this graph (training and p != 0); `p` a Python
-    float or a SymFloat node."""
-
-    def __init__(self, node: fx.Node, args: dict):
-        self.node, self.x = node, args["input"]
-        training = args.get("training")
-        if not isinstance(training, bool):
-            raise NearMiss("dropout's training flag is not a constant")
-        ok, p = g.scalar(args.get("p"))
-        if not ok:
-            raise NearMiss("dropout probability is not a constant (a tensor)")
-        self.p = float(p) if isinstance(p, (int, float)) else p
-        self.active = training and not (isinstance(self.p, float) and self.p == 0.0)
-        if self.active and isinstance(self.p, float) and not 0.0 < self.p < 1.0:
-            raise NearMiss(f"dropout probability {self.p} is outside [0, 1)")
-        if self.active and args.get("inplace"):
-            raise NearMiss("in-place dropout (it overwrites a tensor other ops may read)")
-
-
-def _dropout(node) -> _Dropout | None:
-    args = _dropout_args(node)
-    return None if args is None else _Dropout(node, args)
+    return g.call_args(node, names, {"weight": None, "bias": None, "eps": 1e-5})
 
 
 def _identity_source(node):
     """The tensor an inactive dropout passes through, else None."""
-    d = _dropout(node)
+    d = dp.dropout_of(node)
     return d.x if d is not None and not d.active else None
 
 
@@ -188,7 +141,7 @@ def _is_private_sum(node) -> bool:
 # variants: each returns a Match or None
 
 
-def _match(ln: fx.Node, variant: str, h, chain, x, residual, dropout: _Dropout | None, skipped):
+def _match(ln: fx.Node, variant: str, h, chain, x, residual, dropout: dp.Dropout | None, skipped):
     args = _layer_norm_args(ln)
     ok, eps = g.scalar(args["eps"])
     if not ok:
@@ -223,7 +176,7 @@ def dropout_residual_form(ln: fx.Node) -> Match | None:
     if pair is None:
         return None
     for a, b in g.commuted(h):
-        d = _dropout(a)
+        d = dp.dropout_of(a)
         # (b is a: the same dropped tensor added twice keeps one mask, drawn outside the kernel)
         if d is not None and d.active and list(d.node.users) == [h] and b is not a:
             r, skipped = _strip_identities(b)
@@ -248,7 +201,7 @@ def residual_form(ln: fx.Node) -> Match | None:
 def dropout_form(ln: fx.Node) -> Match | None:
     """LayerNorm(dropout(x)), no residual add; the dropped tensor is often the next residual."""
     h, chain = _walk_back(_layer_norm_args(ln)["input"])
-    d = _dropout(h)
+    d = dp.dropout_of(h)
     if d is None or not d.active:
         return None
     return _match(ln, "dropout", h, chain, d.x, None, d, [])
@@ -280,8 +233,7 @@ def _width(m: Match):
     return g.tensor(m.bindings["h"]).shape[-1]
 
 
-def device_supported(m: Match, cfg) -> str | None:
-    return g.unsupported_device(g.tensor(m.bindings["h"]), cfg)
+device_supported = g.device_supported(lambda b: b["h"])
 
 
 def dtypes_agree(m: Match, cfg) -> str | None:
@@ -368,26 +320,6 @@ def not_parallel_residual(m: Match, cfg) -> str | None:
 # replacement
 
 
-def _insert_seed(graph: fx.Graph, before: fx.Node, like: fx.Node) -> fx.Node:
-    """A one-element int64 seed, drawn per call (Inductor lowers randint onto its own RNG)."""
-    device = g.tensor(like).device
-    args, kwargs = (0, _SEED_HIGH, (1,)), {"device": device}
-    with graph.inserting_before(before):
-        seed = graph.call_function(torch.randint, args, kwargs)
-    mode = g.fake_mode_of([like])
-    if mode is not None:
-        with mode:
-            seed.meta["example_value"] = torch.randint(*args, **kwargs)
-    _copy_provenance(seed, like)
-    return seed
-
-
-def _copy_provenance(new: fx.Node, like: fx.Node) -> None:
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
-        if key in like.meta:
-            new.meta[key] = like.meta[key]
-
-
 def _replay(graph: fx.Graph, view: fx.Node, source: fx.Node, before: fx.Node) -> fx.Node:
     """`view` applied to `source` instead of its own input (same sizes, symbolic ones included)."""
     args = (source, *view.args[1:])
@@ -403,7 +335,7 @@ def _replay(graph: fx.Graph, view: fx.Node, source: fx.Node, before: fx.Node) ->
             else:
                 value = view.target(*fake_args, **fake_kwargs)
         new.meta["example_value"] = value
-    _copy_provenance(new, view)
+    g.copy_provenance(new, view)
     return new
 
 
@@ -420,7 +352,7 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
     dropout = b["dropout"]
     seed, p = None, 0.0
     if dropout is not None:
-        seed, p = _insert_seed(graph, ln, ln), dropout.p
+        seed, p = dp.insert_seed(graph, ln, ln), dropout.p
     escapes = _h_escapes(m)
     # The backward needs h: store it whenever the LayerNorm is differentiated, not only when it
     # is read elsewhere.
@@ -443,9 +375,23 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
     g.erase_unused(graph, m.nodes)
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """layer_norm_dropout_residual's cost rule (`cost_rule`): training (a dropout or a gradient) won
+    at every width measured, inference only in a narrower band
+    (benchmarks/results/2026-11-30-h200-layer_norm_dropout_residual.md)."""
+
+    min_width: int = option(768, "narrowest row fused in training")
+    max_width: int = option(8192, "widest row fused in training")
+    inference_min_width: int = option(2048, "narrowest row fused in inference")
+    inference_max_width: int = option(4096, "widest row fused in inference")
+
+
 LAYER_NORM_DROPOUT_RESIDUAL = registry.register(
     Fusion(
         name="layer_norm_dropout_residual",
+        options=Options,
+        settings_prefix="layer_norm",
         matches=(
             "LayerNorm of dropout(x) + residual (BERT post-LN, GPT-2/GPT-NeoX/OPT pre-LN with the "
             "sum returned for the next residual, BLOOM/Falcon dropout_add), of x + residual "

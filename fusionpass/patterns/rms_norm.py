@@ -10,13 +10,14 @@ all (T5 multiplies bf16 h by fp32 rstd) compute the same n.
 """
 from __future__ import annotations
 
+import dataclasses
 import torch
 import torch.fx as fx
 
 from fusionpass import registry
 from fusionpass.kernels.common import _fwd_chunk
 from fusionpass.patterns import graph as g
-from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
+from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
 
 # ---------------------------------------------------------------------------------------------
 # statistics: rsqrt(mean(hf^2) + eps), and n = X * rstd
@@ -225,8 +226,7 @@ def _search(form_name, form):
 # guards
 
 
-def device_supported(m: Match, cfg) -> str | None:
-    return g.unsupported_device(g.tensor(m.bindings["h"]), cfg)
+device_supported = g.device_supported(lambda b: b["h"])
 
 
 def dtypes_agree(m: Match, cfg) -> str | None:
@@ -318,9 +318,23 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
     g.erase_unused(graph, m.nodes)
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """rms_norm_residual's cost rule: the row widths where the kernel measured at least as fast as
+    Inductor on the H200 (benchmarks/results/2026-11-30-h200-rms_norm_residual.md). Narrower rows
+    (per-head QK-norm) measured slower, forward and backward, so they stay with Inductor; inference
+    also leaves wider rows (and partial second chunks, `width_in_range`) to it."""
+
+    min_width: int = option(2048, "narrowest row fused")
+    max_width: int = option(4096, "widest row fused in inference")
+    train_max_width: int = option(8192, "widest row fused where the norm is differentiated")
+
+
 RMS_NORM_RESIDUAL = registry.register(
     Fusion(
         name="rms_norm_residual",
+        options=Options,
+        settings_prefix="rms_norm",
         matches=(
             "RMSNorm (HF Llama/Mistral/Qwen2/Qwen3/Phi-3 `w * n.to(dtype)`, Gemma `1 + w` in fp32, "
             "T5, plain fp32), with the residual add before it fused when there is one; the sum is "
@@ -328,7 +342,9 @@ RMS_NORM_RESIDUAL = registry.register(
         ),
         selected_when=(
             "CUDA tensors, float32/float16/bfloat16 without dtype mixing, constant eps, "
-            "per-channel weight, row width 512..65536"
+            f"per-channel weight, row widths {Options.min_width}..{Options.train_max_width} in training, "
+            f"{Options.min_width}..{Options.max_width} in inference (not with a partial second chunk) "
+            "(rms_norm_min_width, rms_norm_max_width, rms_norm_train_max_width)"
         ),
         anchor=lambda node: g.is_op(node, "rsqrt"),
         variants=tuple(Variant(name, _search(name, form)) for name, form in OUTPUT_FORMS),

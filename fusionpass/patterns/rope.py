@@ -20,6 +20,7 @@ this fusion).
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -27,7 +28,7 @@ from torch import fx
 
 from fusionpass import registry
 from fusionpass.patterns import graph as g
-from fusionpass.registry import Fusion, Guard, Match, Variant
+from fusionpass.registry import Fusion, Guard, Match, Variant, option
 
 # ---------------------------------------------------------------------------------------------
 # spelling helpers
@@ -343,8 +344,7 @@ def _search(form_name, form):
 # guards
 
 
-def device_supported(m: Match, cfg) -> str | None:
-    return g.unsupported_device(g.tensor(m.bindings["q"]), cfg)
+device_supported = g.device_supported(lambda b: b["q"])
 
 
 def dtypes_agree(m: Match, cfg) -> str | None:
@@ -485,18 +485,36 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
     g.erase_unused(graph, b["dead"])
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """rope's cost rule: fusionpass::rope (one launch for q and k) where q and k together hold at
+    most max_bytes and the rotation covers at least min_tokens positions; on the H200 the kernel
+    won below the byte limit and lost above it, and decode-sized rotations stay with Inductor,
+    which writes the rotated k into a static KV cache in the same kernel
+    (benchmarks/results/2026-12-01-h200-rope_attention.md)."""
+
+    kernel: bool = option(False, "route every match to fusionpass::rope, whatever its size")
+    max_bytes: int = option(96 * 2**20, "largest q + k fused (bytes)")
+    # the interleaved form with every channel rotated lost sooner than rotate_half (partial
+    # interleaved rotary, GPT-J's own form, keeps max_bytes)
+    interleaved_max_bytes: int = option(48 * 2**20, "largest q + k fused in the full interleaved form (bytes)")
+    min_tokens: int = option(64, "fewest positions rotated")
+
+
 ROPE = registry.register(
     Fusion(
         name="rope",
+        options=Options,
         matches=(
             "rotary embedding x * cos + rot(x) * sin with HF rotate_half (Llama, GPT-NeoX, Phi-3) or "
             "GPT-J's interleaved rotate_every_two, partial rotary (slice + cat) included; q and k "
             "sharing cos/sin are rotated by one call"
         ),
         selected_when=(
-            "q and k of at most 96 MiB together (48 MiB for the interleaved form with every channel rotated) over "
-            "at least 64 positions (measured 1.01-1.54x of plain torch.compile there, 0.91-0.98x above; "
-            "rope_kernel=True / FUSIONPASS_ROPE_KERNEL=1: always); "
+            f"q and k of at most {Options.max_bytes >> 20} MiB together ({Options.interleaved_max_bytes >> 20} MiB "
+            f"for the interleaved form with every channel rotated) over at least {Options.min_tokens} positions, "
+            "where the kernel measured faster than plain torch.compile (rope_kernel=True / "
+            "FUSIONPASS_ROPE_KERNEL=1: always); "
             "4-d q/k of one float dtype, cos/sin in that dtype or float32 broadcasting over them, "
             "even rotary dim, cos/sin without grad"
         ),

@@ -26,6 +26,7 @@ or do not broadcast over q.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -35,7 +36,7 @@ from fusionpass import registry
 from fusionpass.patterns import graph as g
 from fusionpass.patterns import rope as rope_patterns
 from fusionpass.patterns.attention_out_proj import _swaps_heads_and_tokens
-from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
+from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
 
 
 def _flash_attention():
@@ -143,8 +144,7 @@ def _search_rope_call(call: fx.Node) -> Match | None:
 # guards
 
 
-def device_supported(m: Match, cfg) -> str | None:
-    return g.unsupported_device(g.tensor(m.bindings["x"]), cfg)
+device_supported = g.device_supported(lambda b: b["x"])
 
 
 def rotated_q_private(m: Match, cfg) -> str | None:
@@ -256,9 +256,23 @@ def _other_rotation_alone(graph: fx.Graph, rope_call: fx.Node) -> None:
     graph.erase_node(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """rope_attention's opt-in cases."""
+
+    # the backward rotates q again for the backward kernels and dq back, spending the bytes the
+    # forward saved (see the module docstring)
+    training: bool = option(False, "also where q is differentiated")
+    # rotating q on load in the interleaved (GPT-J) form won at one shape and lost at another
+    # (H200), against a steady gain for rotate_half
+    interleaved: bool = option(False, "also the interleaved (GPT-J) form")
+
+
 ROPE_ATTENTION = registry.register(
     Fusion(
         name="rope_attention",
+        after=("attention", "rope"),
+        options=Options,
         matches=(
             "a fusionpass::flash_attention call whose q is rotated (HF rotate_half, GPT-J interleaved, partial "
             "rotary, or fusionpass::rope's q), also through a heads/tokens permute and same-dtype casts -> the "
