@@ -6,7 +6,7 @@ torch.compile against fusionpass, side by side (interleaved) in one process.
                                 [--fusions ...] [--without FUSION]
                                 [--json out.json]
 
-llama: h2048, GQA 16/4, head_dim 128, intermediate 8192 (ANCHORS.md's config); gpt2: GPT-2 small
+llama: h2048, GQA 16/4, head_dim 128, intermediate 8192 (the baseline survey's config, docs/architecture.md); gpt2: GPT-2 small
 with `loss_type="ForCausalLM"` (else its loss lands in a second graph); bert: BERT-base MLM;
 bloom: BLOOM-style h1024 with 16 heads (ALiBi; transformers has only eager attention for it);
 falcon: Falcon with `alibi=True` at the same size (sdpa: ALiBi folded into the mask; or eager).
@@ -74,7 +74,7 @@ def build_gpt2(attn: str = "sdpa"):
 def build_bloom(layers: int):
     import transformers
 
-    # ANCHORS.md's BLOOM-style model: h1024, 16 heads (head dim 64), ALiBi, eager attention only
+    # the baseline survey's BLOOM-style model (docs/architecture.md): h1024, 16 heads (head dim 64), ALiBi, eager attention only
     config = transformers.BloomConfig(hidden_size=1024, n_layer=layers, n_head=16)
     config._attn_implementation = "eager"
     torch.manual_seed(0)

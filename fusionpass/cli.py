@@ -53,6 +53,11 @@ def cmd_list(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    if args.markdown or args.reference:
+        from fusionpass import reference
+
+        print(reference.readme_section() if args.markdown else reference.reference_page())
+        return 0
     for row in rows:
         print(f"{row['fusion']}: {row['status']}")
         print(f"  matches:       {row['matches']}")
@@ -148,6 +153,8 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("list", help="the fusions, what each matches and when it is selected")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="the README's fusion and settings tables")
+    p.add_argument("--reference", action="store_true", help="docs/fusions.md")
     p.set_defaults(func=cmd_list)
 
     sub.add_parser("check", add_help=False,

@@ -1,7 +1,7 @@
 """The pass object installed into Inductor, its cache identity, and match statistics.
 
 Why the pre-grad hook (`torch._inductor.config.pre_grad_custom_pass`), by evidence (CPU study on
-torch 2.11 and 2.13, see DESIGN.md):
+torch 2.11 and 2.13; docs/architecture.md):
   - it sees the Dynamo graph once, before AOTAutograd, for inference *and* training. Replacing a
     subgraph there with a custom op that has `register_autograd` makes AOTAutograd trace our
     backward op into the backward graph, so forward and backward are both fused from one match;
@@ -45,11 +45,11 @@ _LOG = logging.getLogger("fusionpass")
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
 
-# Package files that decide no compiled code: the command line, reports, demo models and the
+# Package files that decide no compiled code: the command line, reports, generated docs, demo models and the
 # conformance suite. They stay out of the digest, which is both the FX-cache key and the key the
 # committed GPU conformance result must carry (fusionpass.conformance.gate), so editing a report
 # or adding a conformance case neither invalidates users' caches nor the last GPU run.
-_NOT_COMPILED = ("cli.py", "explain.py", "bench.py", "demo.py", "conformance/")
+_NOT_COMPILED = ("cli.py", "explain.py", "bench.py", "demo.py", "reference.py", "conformance/")
 
 
 def digest_files() -> list[pathlib.Path]:

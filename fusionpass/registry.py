@@ -77,6 +77,11 @@ class Fusion:
     # FUSIONPASS_<SETTING> (also FUSIONPASS_<FUSION>_<FIELD>).
     options: type | None = None
     settings_prefix: str | None = None
+    # One line each for the README's table (`fusionpass list --markdown`): what it matches, when
+    # it is selected, and the result file whose measurements the cost rule rests on
+    summary: str = ""
+    when: str = ""
+    evidence: str = ""
 
     def __post_init__(self):
         if not self.name.isidentifier() or self.name != self.name.lower():

@@ -2,7 +2,7 @@
 
 Under torch.compile transformers 5.x passes every SDPA call a materialized boolean mask with
 `is_causal=False`, even with no padding at all, and SDPA then leaves its flash/cuDNN kernels
-(2.6-3.5x slower on the H200, ANCHORS.md). `fusionpass.patterns.masks` proves what the mask is:
+(several times slower: docs/architecture.md, Baselines). `fusionpass.patterns.masks` proves what the mask is:
   - purely causal with query and key positions aligned  -> `is_causal=True`, no mask
   - true everywhere (bidirectional, no padding)          -> no mask
   - either of those AND key padding from the run-time `attention_mask` -> a branch
@@ -700,6 +700,9 @@ class Options:
 ATTENTION = registry.register(
     Fusion(
         name="attention",
+        summary='SDPA masks proven causal or all-true dropped; eager-math and ALiBi attention to our FlashAttention-2 kernel',
+        when='mask rewrites always; the kernel for eager/ALiBi attention in fp16/bf16 (attention_kernel: SDPA windows and padding too)',
+        evidence='benchmarks/results/2026-11-30-h200-attention-masks.md',
         after=("decode_attention", "rope"),
         options=Options,
         matches=(

@@ -222,6 +222,9 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
 ATTENTION_OUT_PROJ = registry.register(
     Fusion(
         name="attention_out_proj",
+        summary='the attention kernel writes token-major output for the output projection (no head-merge copy)',
+        when="wherever attention's kernel output is merged back to [B, S, H*D] for a linear",
+        evidence='benchmarks/results/2026-11-30-h200-attention_out_proj.md',
         after=("attention", "rope_attention"),
         matches=(
             "fusionpass::flash_attention output merged back to [B, S, H*D] for the output projection "

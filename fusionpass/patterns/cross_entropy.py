@@ -504,6 +504,9 @@ class Options:
 LINEAR_CROSS_ENTROPY = registry.register(
     Fusion(
         name="linear_cross_entropy",
+        summary='lm_head projection and cross-entropy loss, chunked over tokens (no full logits tensor)',
+        when='CUDA; vocabularies of at least linear_cross_entropy_min_vocab classes',
+        evidence='benchmarks/results/2026-11-30-h200-linear_cross_entropy.md',
         options=Options,
         matches=(
             "F.cross_entropy over the logits of a vocabulary projection (lm_head, F.linear, "

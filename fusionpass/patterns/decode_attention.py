@@ -337,6 +337,9 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
 DECODE_ATTENTION = registry.register(
     Fusion(
         name="decode_attention",
+        summary='static-cache decode attention (at most 16 new tokens) to a split-KV kernel',
+        when='CUDA inference, fp16/bf16, head dims 64/128/256',
+        evidence='benchmarks/results/2026-11-30-h200-decode_attention.md',
         after=("rope",),
         matches=(
             "SDPA or eager-math attention (matmul, additive mask, softmax, matmul) of at most 16 "

@@ -390,6 +390,9 @@ class Options:
 LAYER_NORM_DROPOUT_RESIDUAL = registry.register(
     Fusion(
         name="layer_norm_dropout_residual",
+        summary='LayerNorm of `dropout(x) + residual` (BERT, GPT-2, GPT-NeoX, OPT, BLOOM, Falcon), dropout in the kernel',
+        when='CUDA; widths layer_norm_min/max_width in training, layer_norm_inference_min/max_width in inference',
+        evidence='benchmarks/results/2026-11-30-h200-layer_norm_dropout_residual.md',
         options=Options,
         settings_prefix="layer_norm",
         matches=(

@@ -333,6 +333,9 @@ class Options:
 RMS_NORM_RESIDUAL = registry.register(
     Fusion(
         name="rms_norm_residual",
+        summary="RMSNorm (Llama/Mistral/Qwen/Phi-3, Gemma's `1 + w`, T5) with the residual add before it",
+        when='CUDA; row widths rms_norm_min_width..rms_norm_train_max_width in training, ..rms_norm_max_width in inference',
+        evidence='benchmarks/results/2026-11-30-h200-rms_norm_residual.md',
         options=Options,
         settings_prefix="rms_norm",
         matches=(

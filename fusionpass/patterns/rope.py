@@ -504,6 +504,9 @@ class Options:
 ROPE = registry.register(
     Fusion(
         name="rope",
+        summary='rotary embedding of q and k in one launch (HF `rotate_half`, GPT-J interleaved, partial rotary)',
+        when='CUDA; q + k of at most rope_max_bytes over at least rope_min_tokens positions (rope_kernel: always)',
+        evidence='benchmarks/results/2026-11-30-h200-rope.md',
         options=Options,
         matches=(
             "rotary embedding x * cos + rot(x) * sin with HF rotate_half (Llama, GPT-NeoX, Phi-3) or "

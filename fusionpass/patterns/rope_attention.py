@@ -271,6 +271,9 @@ class Options:
 ROPE_ATTENTION = registry.register(
     Fusion(
         name="rope_attention",
+        summary="q's rotary embedding applied as the attention kernel loads q",
+        when="inference (rope_attention_training: training too), rotate_half (rope_attention_interleaved: GPT-J's form too)",
+        evidence='benchmarks/results/2026-12-01-h200-rope_attention.md',
         after=("attention", "rope"),
         options=Options,
         matches=(

@@ -292,6 +292,9 @@ class Options:
 SWIGLU_MLP = registry.register(
     Fusion(
         name="swiglu_mlp",
+        summary="`act(gate(x)) * up(x)` into the down projection (SiLU, GELU-tanh, Phi-3's fused gate_up)",
+        when='decode-sized inference (swiglu_mlp_kernel: every match)',
+        evidence='benchmarks/results/2026-11-30-h200-swiglu_mlp.md',
         options=Options,
         matches=(
             "the gated MLP act(gate(x)) * up(x) (HF Llama/Mistral/Qwen2 SiLU, Gemma GELU-tanh, "
