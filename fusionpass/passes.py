@@ -104,32 +104,30 @@ class _Statistics:
         with self._lock:
             return list(self._records.values())
 
-    @property
-    def variants(self) -> Counter:
+    def _summed(self, field: str) -> Counter:
         out: Counter = Counter()
         for r in self.records:
-            out.update(r.matches)
+            out.update(getattr(r, field))
         return out
+
+    @property
+    def variants(self) -> Counter:
+        """Matches per (fusion, variant)."""
+        return self._summed("matches")
 
     @property
     def searches(self) -> Counter:
         """Matches per (fusion, declared Variant.name)."""
-        out: Counter = Counter()
-        for r in self.records:
-            out.update(r.searches)
-        return out
-
-    @property
-    def near_misses(self) -> list[tuple[str, str, str]]:
-        return [m for r in self.records for m in r.near_misses]
+        return self._summed("searches")
 
     @property
     def seconds(self) -> Counter:
         """The pass's own time per fusion, summed over its graphs."""
-        out: Counter = Counter()
-        for r in self.records:
-            out.update(r.seconds)
-        return out
+        return self._summed("seconds")
+
+    @property
+    def near_misses(self) -> list[tuple[str, str, str]]:
+        return [m for r in self.records for m in r.near_misses]
 
     def per_fusion(self) -> dict[str, int]:
         out: Counter = Counter()

@@ -7,9 +7,12 @@ A fusion is data:
     cannot use it;
   - `guards`: small named checks that say "safe and faster here"; the first failing one records a
     near miss with its reason and the graph is left alone;
-  - `replace`: rewrites the graph for a match that passed every guard.
-Later fusions declare themselves with `register(Fusion(...))` and reuse this loop, the near-miss
-reasons and the per-fusion/per-variant counts without copying them.
+  - `replace`: rewrites the graph for a match that passed every guard;
+  - `after`: the fusions it runs after, and `options`: its settings (a frozen dataclass), from
+    which `fusionpass.config` derives Config's settings and their environment overrides.
+Every module of `fusionpass.patterns` is imported on first use, and each declares its fusion with
+`register(Fusion(...))` (docs/architecture.md); all reuse this loop, the near-miss reasons and
+the per-fusion/per-variant counts without copying them.
 """
 from __future__ import annotations
 
