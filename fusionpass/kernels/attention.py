@@ -50,7 +50,7 @@ with key = seed and counter = (j // 8, r, offset lo, offset hi), r = (b * Hq + h
 (mod 2**32). Unlike layer_norm, which compares each 32-bit output word with a 32-bit threshold
 (4 columns per call), attention splits each word in two 16-bit halves: output word w (0..3) decides
 columns 8 * (j // 8) + 2w (its low half) and + 2w + 1 (its high half), and the element is kept iff
-its half >= thr16 = min(round(p * 2**16), 2**16 - 1) (`_keep16`). One Philox call thus serves 8
+its half >= thr16 = min(round(p * 2**16), 2**16 - 1) (`keep_mask16`). One Philox call thus serves 8
 keys: the RNG runs on CUDA cores in the forward and again in both backward kernels, and with 32-bit
 words it halved the forward's throughput at head dim 64 (H200: GPT-2 B16 H12 S1024 causal with
 dropout 113 TFLOP/s, against ~259 without dropout at a BLOOM shape). The realized drop probability is
@@ -90,9 +90,9 @@ from fusionpass.kernels import rope as rope_kernels
 from fusionpass.kernels.rope import _pair_tiles, _rotate_pairs
 from fusionpass.kernels.rng import RNG_ARGS as _RNG_ARGS
 from fusionpass.kernels.rng import fill_keep_mask as _fill_keep_mask
-from fusionpass.kernels.rng import keep_mask16 as _keep16
+from fusionpass.kernels.rng import keep_mask16
 from fusionpass.kernels.rng import rng_args as _rng_args
-from fusionpass.kernels.rng import rng_key as _rng_key
+from fusionpass.kernels.rng import rng_key
 
 __all__ = ["EMPTY_LSE", "HEAD_DIMS", "attention_bwd", "attention_dropout_constants", "attention_dropout_mask",
            "attention_fwd"]
@@ -336,7 +336,7 @@ def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn
                     kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, MASKED)
         p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASKED or HAS_KPM)
         if DROPOUT:
-            keep = _keep16(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
+            keep = keep_mask16(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         v = _load_kv(v_base + cols[:, None] * svn + offs_d[None, :] * svd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
         acc = acc * alpha[:, None] + tl.dot(_mm_operand(p, DT, INTERP), v, input_precision=PREC)
@@ -404,7 +404,7 @@ def _fwd_kernel(
     # torch.compile passes Python floats as fp64 scalars; the math is fp32, in base 2.
     qk_scale = tl.cast(qk_scale, tl.float32) * _LOG2E
     drop_scale = tl.cast(drop_scale, tl.float32)
-    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
+    k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     pid_m = pid % num_m
     bh = pid // num_m
@@ -516,7 +516,7 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
         pT = tl.math.exp2(sT - lse2[None, :])
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
         if DROPOUT:
-            keepT = tl.trans(_keep16(k0, k1, o0, o1, thr, _dropout_rows(bh, Lq, rows), n0,
+            keepT = tl.trans(keep_mask16(k0, k1, o0, o1, thr, _dropout_rows(bh, Lq, rows), n0,
                                      BLOCK_M, BLOCK_N))
             pdT = tl.where(keepT, pT * drop_scale, 0.0)
             dpT = tl.where(keepT, dpT * drop_scale, 0.0)
@@ -544,7 +544,7 @@ def _bwd_dkdv_kernel(
     sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = sm_scale * _LOG2E
     drop_scale = tl.cast(drop_scale, tl.float32)
-    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
+    k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     pid_n = pid % num_n
     bhk = pid // num_n
@@ -628,7 +628,7 @@ def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if DROPOUT:
-            keep = _keep16(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
+            keep = keep_mask16(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(_mm_operand(ds, DT, INTERP), k, input_precision=PREC)
@@ -652,7 +652,7 @@ def _bwd_dq_kernel(
     sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = sm_scale * _LOG2E
     drop_scale = tl.cast(drop_scale, tl.float32)
-    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
+    k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     pid_m = pid % num_m
     bh = pid // num_m
@@ -1012,7 +1012,7 @@ def _rng16_args(p: float, seed, offset: int, device: torch.device):
 def attention_dropout_mask(B: int, H: int, Lq: int, Lk: int, p: float, seed, offset: int = 0,
                            device="cpu", *, block_n: int | None = None) -> torch.Tensor:
     """The keep mask (bool [B, H, Lq, Lk]) of attention dropout with (p, seed, offset), for tests,
-    made by the same jitted `_keep16` the attention kernels call (H is the number of query heads;
+    made by the same jitted `keep_mask16` the attention kernels call (H is the number of query heads;
     mask row (b * H + h) * Lq + i is Philox row counter r). `block_n` (a power of two >= 16, as
     the kernels' key blocks) only changes the tiling, not the result."""
     device = torch.device(device)

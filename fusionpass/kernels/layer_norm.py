@@ -40,9 +40,9 @@ from fusionpass.kernels.launch import absent, launcher
 from fusionpass.kernels.rng import RNG_ARGS as _RNG_ARGS
 from fusionpass.kernels.rng import RNG_GROUP as _RNG_GROUP
 from fusionpass.kernels.rng import dropout_mask  # noqa: F401  (the keep mask of these kernels, for tests)
-from fusionpass.kernels.rng import keep_mask as _keep
+from fusionpass.kernels.rng import keep_mask
 from fusionpass.kernels.rng import rng_args as _rng_args
-from fusionpass.kernels.rng import rng_key as _rng_key
+from fusionpass.kernels.rng import rng_key
 
 __all__ = ["dropout_mask", "layer_norm_bwd", "layer_norm_fwd"]
 
@@ -80,7 +80,7 @@ def _fwd_kernel(
     # from x and residual (when h is not stored), and writes y.
     IN_DT: tl.constexpr = X.dtype.element_ty
     OUT_DT: tl.constexpr = Y.dtype.element_ty
-    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
+    k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -152,7 +152,7 @@ def _load_h(X, R, roff, rows, c0, c, mask, stride_x, stride_r, scale, k0, k1, o0
     """h = round(dropout(x)) (+ r, rounded) in fp32, as the model computes it in the input dtype."""
     h = tl.load(X + roff * stride_x + c, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     if DROPOUT:
-        keep = _keep(k0, k1, o0, o1, t, rows, c0, BLOCK_M, BLOCK_N)
+        keep = keep_mask(k0, k1, o0, o1, t, rows, c0, BLOCK_M, BLOCK_N)
         h = tl.where(keep, _round(h * scale, IN_DT, ROUND_BITS), 0.0)
     if HAS_RESIDUAL:
         r = tl.load(R + roff * stride_r + c, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
@@ -185,7 +185,7 @@ def _bwd_grads(dt, rows, c0, DX, DR, roff, c, mask, stride_dx, stride_dr, scale,
         dr = _round(dt, IN_DT, ROUND_BITS)
         if STORE_DR:
             tl.store(DR + roff * stride_dr + c, dr, mask=mask)
-        keep = _keep(k0, k1, o0, o1, t, rows, c0, BLOCK_M, BLOCK_N)
+        keep = keep_mask(k0, k1, o0, o1, t, rows, c0, BLOCK_M, BLOCK_N)
         dx = tl.where(keep, dr * scale, 0.0)
     else:
         dx = dt
@@ -206,7 +206,7 @@ def _bwd_kernel(
     scale = tl.cast(scale, tl.float32)
     IN_DT: tl.constexpr = H.dtype.element_ty
     DX_DT: tl.constexpr = DX.dtype.element_ty
-    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
+    k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -264,7 +264,7 @@ def _bwd_chunked_kernel(
     scale = tl.cast(scale, tl.float32)
     IN_DT: tl.constexpr = H.dtype.element_ty
     DX_DT: tl.constexpr = DX.dtype.element_ty
-    k0, k1, o0, o1, t = _rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
+    k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
