@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import importlib
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -75,8 +76,9 @@ class Case:
     # benchmarks/results/2026-12-01-h200-conformance.md).
     eager_baseline: bool = False
     # A case of a fallback: where set, (fusion, variant) must not match, and some near miss (of
-    # this fusion or one it follows, e.g. attention for rope_attention) must contain this text (a cost rule or guard that keeps a route out on CUDA); `expect`
-    # then holds what matches instead. CPU graphs may take such routes: --device cpu skips these.
+    # this fusion or one it follows, e.g. attention for rope_attention) must contain this text:
+    # the cost rule or guard that keeps a route out on CUDA. `expect` then holds what matches
+    # instead. CPU graphs may take such routes, so --device cpu skips these cases.
     near_miss: str | None = None
 
 
@@ -196,8 +198,6 @@ def _run_case(case: Case, device: str) -> dict:
     from fusionpass.passes import STATISTICS
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
-
-    import time
 
     clock = [time.perf_counter()]
 

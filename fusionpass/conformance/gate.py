@@ -12,7 +12,6 @@ RESULT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results" 
 def registered_variants() -> dict[str, list[str]]:
     """Every registered fusion and its variants that can replace a subgraph on CUDA (what needs a
     case)."""
-    import fusionpass.patterns  # noqa: F401  (registers the fusions)
     from fusionpass import registry
 
     return {name: [v.name for v in f.variants if v.cuda and not v.reports_only] for name, f in registry.registered().items()}
