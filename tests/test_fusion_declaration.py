@@ -68,3 +68,28 @@ def test_unknown_setting_and_cycles_are_errors(toy):
             registry.fusion_names()
     finally:
         registry.unregister("toy_cycle")
+
+
+def test_settings_come_from_the_declarations():
+    from fusionpass.config import settings
+
+    declared = {key for f in registry.registered().values() for key in f.settings()}
+    assert set(settings()) == declared
+    # the variables that were missing from the hand-kept list work like every other
+    env = {"FUSIONPASS_ROPE_MIN_TOKENS": "7", "FUSIONPASS_ROPE_MAX_BYTES": "1024",
+           "FUSIONPASS_RMS_NORM_RESIDUAL_TRAIN_MAX_WIDTH": "4096"}  # the long form FUSION_OPTION too
+    cfg = config_mod.from_env(environ=env)
+    assert (cfg.rope_min_tokens, cfg.rope_max_bytes, cfg.rms_norm_train_max_width) == (7, 1024, 4096)
+    assert cfg.options("rope").min_tokens == 7
+
+
+def test_config_is_a_value():
+    import copy
+    import pickle
+
+    cfg = config_mod.Config(cpu=True, rope_min_tokens=3)
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and copy.deepcopy(cfg) == cfg
+    assert hash(cfg) == hash(config_mod.Config(cpu=True, rope_min_tokens=3))
+    with pytest.raises(AttributeError):
+        cfg.cpu = False
+    assert cfg.replace(rope_min_tokens=64) == config_mod.Config(cpu=True)
