@@ -29,13 +29,13 @@ def _model_and_inputs(args):
 
 
 def cmd_list(args) -> int:
-    from fusionpass.config import settings
+    from fusionpass import reference
     from fusionpass.registry import registered
 
-    by_fusion: dict = {}
-    for setting in settings().values():
-        by_fusion.setdefault(setting.fusion, []).append(
-            {"name": setting.name, "env": setting.env, "default": setting.default, "doc": setting.doc})
+    if args.markdown or args.reference:
+        print(reference.readme_section() if args.markdown else reference.reference_page())
+        return 0
+    by_fusion = reference.settings_by_fusion()
     rows = []
     for name, fusion in registered().items():  # in run order
         rows.append(
@@ -47,16 +47,12 @@ def cmd_list(args) -> int:
                 "selected_when": fusion.selected_when,
                 "guards": [gd.name for gd in fusion.guards],
                 "after": list(fusion.after),
-                "settings": by_fusion.get(name, []),
+                "settings": [{"name": s.name, "env": s.env, "default": s.default, "doc": s.doc}
+                             for s in by_fusion.get(name, [])],
             }
         )
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
-    if args.markdown or args.reference:
-        from fusionpass import reference
-
-        print(reference.readme_section() if args.markdown else reference.reference_page())
         return 0
     for row in rows:
         print(f"{row['fusion']}: {row['status']}")

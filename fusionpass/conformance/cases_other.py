@@ -361,12 +361,17 @@ def _swiglu_case(form, dtype, shape, train):
                  _maker(_swiglu_build, form, shape), {"swiglu_mlp": 1}, config)
 
 
+def _rotating(forms, shapes, case) -> list[Case]:
+    """case(form, dtype, shape, train) for every dtype and shape, training and inference, the forms
+    taken in turn (each form at several dtypes and shapes without the full product)."""
+    cycle = itertools.cycle(forms)
+    return [case(form, dtype, shape, train)
+            for dtype, shape in itertools.product(ALL_DTYPES, shapes)
+            for form in (next(cycle),) for train in (True, False)]
+
+
 def _swiglu_cases():
-    cases = []
-    forms = itertools.cycle(SWIGLU_FORMS)
-    for dtype, shape in itertools.product(ALL_DTYPES, SWIGLU_SHAPES):
-        form = next(forms)
-        cases += [_swiglu_case(form, dtype, shape, train) for train in (True, False)]
+    cases = _rotating(SWIGLU_FORMS, SWIGLU_SHAPES, _swiglu_case)
     # every form at the default cost rule at least once, and both sides of the 64-row limit:
     # one row (a single sequence decoding), exactly 64 rows, and 65 rows (the prefill regime)
     cases += [
@@ -543,11 +548,7 @@ def _ce_case(form, dtype, shape, train, config=CE_MIN_VOCAB):
 
 
 def _ce_cases():
-    cases = []
-    forms = itertools.cycle(CE_FORMS)
-    for dtype, shape in itertools.product(ALL_DTYPES, CE_SHAPES):
-        form = next(forms)
-        cases += [_ce_case(form, dtype, shape, train) for train in (True, False)]
+    cases = _rotating(CE_FORMS, CE_SHAPES, _ce_case)
     # an LLM-sized vocabulary at the default cost rule (min vocab 100000)
     cases.append(_ce_case("hf_causal_mean", BF16, (2, 19, 48, 100003), True, config={}))
     return cases
