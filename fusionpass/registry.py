@@ -69,8 +69,10 @@ class Fusion:
     variants: tuple[Variant, ...]
     guards: tuple[Guard, ...]
     replace: Callable[[fx.Graph, Match, Config], None]
-    # reported when the anchor was found but no variant matched it
-    unmatched: str = "no known variant matches the surrounding ops"
+    # reported when the anchor was found but no variant matched it; a function of the anchor where
+    # that depends on it; None (or a None from the function) where another fusion that runs later
+    # takes the nodes this one leaves (the attention fusions share SDPA's anchor)
+    unmatched: str | Callable[[fx.Node], str | None] | None = "no known variant matches the surrounding ops"
     modules: tuple[str, ...] = ()  # source modules beyond the declaring one (kernels, ops)
     # fusions whose rewrites this one must see (it runs after them; `fusion_names()`)
     after: tuple[str, ...] = ()
@@ -217,7 +219,9 @@ def apply(fusion: Fusion, graph: fx.Graph, config: Config, record: Record) -> in
             record.missed(fusion.name, node, str(miss))
             continue
         if match is None:
-            record.missed(fusion.name, node, fusion.unmatched)
+            why = fusion.unmatched(node) if callable(fusion.unmatched) else fusion.unmatched
+            if why is not None:
+                record.missed(fusion.name, node, why)
             continue
         reason = next(
             (

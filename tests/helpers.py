@@ -27,6 +27,19 @@ from fusionpass.passes import STATISTICS, PreGradFusionPass
 FUSION = "rms_norm_residual"
 
 # relative tolerances per dtype (compared with eager or with plain torch.compile)
+# the fusions of the attention rewrites (`fusions=ATTENTION`), and the one that reports each variant
+ATTENTION = ["flash_attention", "sdpa_mask", "sdpa_runtime_check"]
+
+
+def attention_key(variant: str) -> tuple[str, str]:
+    """(fusion, variant) as stats() counts an attention variant."""
+    if variant.endswith("_if_unpadded"):
+        return "sdpa_runtime_check", variant
+    if variant in ("causal_mask", "none_mask"):
+        return "sdpa_mask", variant
+    return "flash_attention", variant
+
+
 RTOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 

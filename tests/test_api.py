@@ -402,11 +402,11 @@ def test_explain_demo_llama():
     ids = torch.randint(0, 256, (2, 16))
     report = fusionpass.explain(demo, ids)
     assert isinstance(report, fusionpass.Report)
-    assert report.matches == {FUSION: 5, "attention": 2, "swiglu_mlp": 2}
+    assert report.matches == {FUSION: 5, "sdpa_mask": 2, "swiglu_mlp": 2}
     assert report.variants == {
         (FUSION, "llama"): 4,
         (FUSION, "llama_no_residual"): 1,
-        ("attention", "causal_mask"): 2,
+        ("sdpa_mask", "causal_mask"): 2,
         ("swiglu_mlp", "silu"): 2,  # inference with 32 rows: the decode regime
     }
     # the demo's 2-d cos/sin ([S, D], broadcast) are outside the rope pattern's shapes (q and k
@@ -422,11 +422,11 @@ def test_explain_demo_llama():
     assert re.search(r"^fusion +matches +variants *$", text, re.MULTILINE), text
     assert re.search(r"^rms_norm_residual +5 +llama: 4, llama_no_residual: 1$", text, re.MULTILINE), text
     data = json.loads(report.to_json())
-    assert data["matches"] == {FUSION: 5, "attention": 2, "swiglu_mlp": 2}
+    assert data["matches"] == {FUSION: 5, "sdpa_mask": 2, "swiglu_mlp": 2}
     assert data["variants"] == {
         f"{FUSION}/llama": 4,
         f"{FUSION}/llama_no_residual": 1,
-        "attention/causal_mask": 2,
+        "sdpa_mask/causal_mask": 2,
         "swiglu_mlp/silu": 2,
     }
     assert sorted(m["fusion"] for m in data["near_misses"]) == ["rope"] * 4
@@ -493,11 +493,11 @@ def test_cli_list_text(capsys):
 def test_cli_explain_json(capsys):
     assert cli.main(["explain", "--json", "--device", "cpu"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["matches"] == {FUSION: 5, "attention": 2, "swiglu_mlp": 2}
+    assert data["matches"] == {FUSION: 5, "sdpa_mask": 2, "swiglu_mlp": 2}
     assert data["variants"] == {
         f"{FUSION}/llama": 4,
         f"{FUSION}/llama_no_residual": 1,
-        "attention/causal_mask": 2,
+        "sdpa_mask/causal_mask": 2,
         "swiglu_mlp/silu": 2,
     }
     assert data["device"] == "cpu"
@@ -511,7 +511,7 @@ def test_cli_explain_bloom(capsys):
     argv = ["explain", "--model", "bloom", "--train", "--width", "128", "--layers", "1", "--json", "--device", "cpu"]
     assert cli.main(argv) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["variants"] == {"attention/eager_alibi_kernel": 1, "attention_out_proj/merge_heads": 1,
+    assert data["variants"] == {"flash_attention/eager_alibi_kernel": 1, "attention_out_proj/merge_heads": 1,
                                 "layer_norm_dropout_residual/residual": 2}
     assert [m["fusion"] for m in data["near_misses"]] == ["linear_cross_entropy"]
 
@@ -618,4 +618,4 @@ def test_cli_bench_runs_both_sides(capsys):
     out = capsys.readouterr().out
     assert re.search(r"^  torch\.compile +[\d.]+ ms", out, re.MULTILINE), out
     assert re.search(r"^  fusionpass +[\d.]+ ms", out, re.MULTILINE), out
-    assert "'rms_norm_residual': 5" in out and "'attention': 2" in out
+    assert "'rms_norm_residual': 5" in out and "'sdpa_mask': 2" in out

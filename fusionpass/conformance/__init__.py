@@ -72,8 +72,8 @@ class Case:
     # Also run the module eagerly in its dtype and allow fusionpass twice eager PyTorch's error
     # (whole models, which the issue asks to check against eager): a mask rewrite hands SDPA a
     # mask-free call, and PyTorch then picks another of its own kernels, whose bf16 dq/dk are those
-    # of eager PyTorch without the mask but up to 2.7x plain compile's with it (BERT training,
-    # benchmarks/results/2026-12-01-h200-conformance.md).
+    # of eager PyTorch without the mask but larger than plain compile's with it (BERT training;
+    # benchmarks/results/2026-12-01-h200-conformance.md as of 67836ab).
     eager_baseline: bool = False
     # A case of a fallback: where set, (fusion, variant) must not match, and some near miss (of
     # this fusion or one it follows, e.g. attention for rope_attention) must contain this text:

@@ -382,7 +382,7 @@ def _make(family, shape: Shape, padding: str | None = None, **options):
     return make
 
 
-# What keeps fp32 attention out of the kernels on CUDA (fusionpass.patterns.attention.kernel_dtypes)
+# What keeps fp32 attention out of the kernels on CUDA (fusionpass.patterns.attention_kernel.kernel_dtypes)
 FP32_KEPT_OUT = "fp32 q/k/v"
 
 
@@ -398,7 +398,7 @@ def _kernel(rotary: str | None = None, rope_attention_training: bool = False, ou
         counts = {"rope": LAYERS} if rotary == "rope" else {}
         if dtype == FP32:
             return counts
-        counts["attention"] = LAYERS
+        counts["flash_attention"] = LAYERS
         if out_proj:
             counts["attention_out_proj"] = LAYERS
         if rotary and (not train or rope_attention_training) and not shape.d & (shape.d - 1):
@@ -458,23 +458,23 @@ MP1000 = Shape(2, 4, 4, 1000, 96)
 ATTENTION_CASES = [
     # SDPA with transformers' boolean masks, proven causal / all-true: SDPA keeps the call, without
     # the mask (GQA through enable_gqa); rope fuses the Llama rotation alongside
-    *_cases("attention", "causal_mask", "llama-sdpa", Llama, _always(rope=LAYERS, attention=LAYERS), [
+    *_cases("sdpa_mask", "causal_mask", "llama-sdpa", Llama, _always(rope=LAYERS, sdpa_mask=LAYERS), [
         (BF16, G77, True, None), (FP16, G513, False, None), (FP32, G1000, True, None),
     ], impl="sdpa"),
-    *_cases("attention", "none_mask", "bert-sdpa", Bert, _always(attention=LAYERS), [
+    *_cases("sdpa_mask", "none_mask", "bert-sdpa", Bert, _always(sdpa_mask=LAYERS), [
         (BF16, M513, True, None), (FP16, M77, False, None), (FP32, M1000, False, None),
     ]),
     # (the same AND the attention_mask's padding through torch.cond, causal/none_mask_if_unpadded,
-    # is CPU only: Inductor's CUDA lowering of the cond failed in every case, patterns/attention.py)
+    # is CPU only: Inductor's CUDA lowering of the cond failed in every case, patterns/sdpa_runtime_check.py)
     # attention written in torch ops -> fusionpass::flash_attention (on by default)
-    *_cases("attention", "eager_kernel", "gpt2-eager", GPT2, _kernel(), [
+    *_cases("flash_attention", "eager_kernel", "gpt2-eager", GPT2, _kernel(), [
         (BF16, M77, True, None), (FP16, M513, True, None), (FP32, M1000, False, None), (BF16, M1000, False, None),
     ]),
-    *_cases("attention", "eager_alibi_kernel", "bloom-eager", Bloom, _kernel(), [
+    *_cases("flash_attention", "eager_alibi_kernel", "bloom-eager", Bloom, _kernel(), [
         (BF16, M77, True, None), (FP16, M513, False, None), (BF16, Shape(2, 12, 12, 1000, 80), True, None),
         (FP32, Shape(2, 12, 12, 1000, 80), True, None),
     ]),
-    *_cases("attention", "eager_alibi_kernel", "mpt-eager", Mpt, _kernel(), [
+    *_cases("flash_attention", "eager_alibi_kernel", "mpt-eager", Mpt, _kernel(), [
         (BF16, Shape(2, 8, 8, 333, 96), False, None), (FP16, M77, True, None), (BF16, M513, True, None),
         (FP32, M513, True, None),
     ]),
@@ -483,35 +483,35 @@ ATTENTION_CASES = [
     # fp32 only, so never selected on CUDA (FP32_KEPT_OUT): in bf16/fp16 Falcon upcasts its scores
     # after viewing them, which the eager route does not follow (a near miss). (Its _merge_heads
     # after a flatten is no head merge attention_out_proj knows, a near miss too.)
-    *_cases("attention", "eager_alibi_mask_kernel", "falcon-eager", Falcon, _kernel(out_proj=False), [
+    *_cases("flash_attention", "eager_alibi_mask_kernel", "falcon-eager", Falcon, _kernel(out_proj=False), [
         (FP32, M513, True, None), (FP32, F77, False, None),
     ], impl="eager"),
     # SDPA whose float mask carries Falcon's ALiBi -> the kernel with a per-key bias (on by default)
-    *_cases("attention", "alibi_mask_kernel", "falcon-sdpa", Falcon, _kernel(), [
+    *_cases("flash_attention", "alibi_mask_kernel", "falcon-sdpa", Falcon, _kernel(), [
         (BF16, F77, False, None), (FP16, M513, True, None), (FP32, M1000, False, None),
         (BF16, Shape(2, 16, 1, 513, 64), True, None),  # multi-query
     ], impl="sdpa"),
     # the same with left padding, inference only: the rows that see no key get SDPA's average of
     # the values (written after the kernel, so no token-major output for the projection). Not
     # fp16, whose fill (-65504) does not absorb the scores (a near miss by design)
-    *_cases("attention", "alibi_mask_kernel_padded", "falcon-sdpa", Falcon, _kernel(out_proj=False), [
+    *_cases("flash_attention", "alibi_mask_kernel_padded", "falcon-sdpa", Falcon, _kernel(out_proj=False), [
         (BF16, Shape(3, 16, 1, 513, 64), False, "left"), (BF16, Shape(3, 16, 16, 77, 64), False, "left"),
         (FP32, Shape(3, 16, 16, 77, 64), False, "left"),
     ], impl="sdpa"),
     # the opt-in kernel route for SDPA: sliding windows, causal / all-true masks AND padding
-    *_cases("attention", "sliding_window_kernel", "mistral-sdpa", Llama, _kernel("rope"), [
+    *_cases("flash_attention", "sliding_window_kernel", "mistral-sdpa", Llama, _kernel("rope"), [
         (BF16, G77, True, None), (FP16, G513, False, None), (BF16, G1000, True, None), (FP32, G1000, True, None),
     ], KERNEL, impl="sdpa", window=True),
-    *_cases("attention", "sliding_window_kernel_padded", "mistral-sdpa", Llama,
+    *_cases("flash_attention", "sliding_window_kernel_padded", "mistral-sdpa", Llama,
             _kernel("rope"), [
         (BF16, GP513, False, "left"), (FP16, GP77, True, "right"), (BF16, GP1000, False, "right"),
         (FP32, GP1000, False, "right"),
     ], KERNEL, impl="sdpa", window=True),
-    *_cases("attention", "causal_kernel_padded", "llama-sdpa", Llama, _kernel("rope"), [
+    *_cases("flash_attention", "causal_kernel_padded", "llama-sdpa", Llama, _kernel("rope"), [
         (BF16, GP77, True, "right"), (FP16, GP513, False, "left"), (BF16, GP1000, True, "left"),
         (FP32, GP1000, True, "left"),
     ], KERNEL, impl="sdpa"),
-    *_cases("attention", "none_kernel_padded", "bert-sdpa", Bert, _kernel(), [
+    *_cases("flash_attention", "none_kernel_padded", "bert-sdpa", Bert, _kernel(), [
         (BF16, MP513, False, "left"), (FP16, MP77, True, "right"), (FP16, MP1000, False, "ones"),
         (FP32, MP1000, False, "ones"),
     ], KERNEL),
@@ -538,7 +538,7 @@ DECODE_CASES = [
 # q's rotation moved into the kernel that reads it: inference by default (training opted in).
 # rope_kernel: rope fused q and k into one fusionpass::rope call first (sequences of >= 64 tokens),
 # rope_attention takes q's output and leaves a k-only rope call; graph_rotation: rope off, q's
-# rotation is still the graph's (its variant is named by the form, rotate_half / interleaved_partial)
+# rotation is still the graph's (rotate_half; GPT-J's interleaved partial form, fp32, stays out)
 ROPE_ATTENTION_CASES = [
     *_cases("rope_attention", "rope_kernel", "llama-eager", Llama, _kernel("rope"), [
         (BF16, G77, False, None), (FP16, G513, False, None), (BF16, G1000_128, False, None),
@@ -555,15 +555,15 @@ ROPE_ATTENTION_CASES = [
     *_cases("rope_attention", "rope_kernel", "gptj-eager", GPTJ, _kernel("rope"), [
         (FP32, M77, False, None),
     ], {"rope_attention_interleaved": True}),
-    *_cases("rope_attention", "rotate_half", "llama-eager", Llama,
+    *_cases("rope_attention", "graph_rotation", "llama-eager", Llama,
             _kernel("graph", True), [
         (BF16, G77, False, None), (FP16, G1000_128, False, None), (BF16, G513, False, None), (FP32, G513, False, None),
     ], NO_ROPE, impl="eager"),
-    *_cases("rope_attention", "rotate_half", "llama-eager", Llama,
+    *_cases("rope_attention", "graph_rotation", "llama-eager", Llama,
             _kernel("graph", True), [
         (BF16, G77, True, None), (FP32, G77, True, None),
     ], {**NO_ROPE, "rope_attention_training": True}, impl="eager"),
-    *_cases("rope_attention", "interleaved_partial", "gptj-eager", GPTJ,
+    *_cases("rope_attention", "graph_rotation", "gptj-eager", GPTJ,
             _kernel("graph", True), [
         (FP32, M513, False, None),
     ], {**NO_ROPE, "rope_attention_interleaved": True}),

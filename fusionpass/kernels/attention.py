@@ -52,8 +52,8 @@ with key = seed and counter = (j // 8, r, offset lo, offset hi), r = (b * Hq + h
 columns 8 * (j // 8) + 2w (its low half) and + 2w + 1 (its high half), and the element is kept iff
 its half >= thr16 = min(round(p * 2**16), 2**16 - 1) (`keep_mask16`). One Philox call thus serves 8
 keys: the RNG runs on CUDA cores in the forward and again in both backward kernels, and with 32-bit
-words it halved the forward's throughput at head dim 64 (H200: GPT-2 B16 H12 S1024 causal with
-dropout 113 TFLOP/s, against ~259 without dropout at a BLOOM shape). The realized drop probability is
+words it halved the forward's throughput at head dim 64 (an H200 measurement at a GPT-2 shape;
+benchmarks/results/latest/flash_attention.md times the kernel with dropout). The realized drop probability is
 thr16 / 2**16, within 2**-17 of p (FA2 compares 8-bit slices: within 2**-9), and kept values are
 scaled by drop_scale = fp32(2**16 / (2**16 - thr16)), the inverse of the realized keep probability,
 not of 1 - p, so the dropout stays unbiased (`attention_dropout_constants`).
@@ -110,14 +110,12 @@ _RNG16_GROUP = 8
 
 # Launch defaults for sm_90 by padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward
 # and dQ: BLOCK_M query rows per program, BLOCK_N keys per step. dK/dV: BLOCK_N keys per program (dk
-# and dv accumulators: 2 * BLOCK_N * D fp32), BLOCK_M query rows per step. D=128 measured on the H200
-# (B4 H32 S4096 causal, bf16; benchmarks/results/2026-11-30-h200-attention-kernel.md): forward
-# (128, 64, 8, 3) 1.25 ms (ties (64, 64, 4, 3); 4 warps at BLOCK_M 128 is 1.6x slower); dK/dV
-# (64, 128, 8, 2) 3.1 vs 3.6 ms for (32, 128, 8, 2); dQ (128, 64, 8, 3) 1.4 vs 2.5 ms for
-# (128, 32, 8, 2). D=64 and D=256 are scaled from those, not measured.
-# Head dim 64 from an H200 sweep at BERT, GPT-2 and BLOOM shapes (benchmarks/probes/
-# attention_d64_launches.py): (64, 64, 4, 3) forward and (64, 32, 4, 3) dQ were within 7% of the
-# best launch at all three, the old 128-row launches up to 47% slower (BLOOM's forward).
+# and dv accumulators: 2 * BLOCK_N * D fp32), BLOCK_M query rows per step. Each is the fastest of
+# an H200 sweep (D=128 at a Llama-sized causal shape; D=64 at BERT, GPT-2 and BLOOM shapes, where
+# one launch came close to the best at all three); D=256 is scaled from D=128, not measured. The
+# sweeps are in git history (benchmarks/results/2026-11-30-h200-attention-kernel.md and
+# benchmarks/probes/attention_d64_launches.py as of 67836ab); the kernel's current speed is in
+# benchmarks/results/latest/flash_attention.md.
 _FWD_CFG = {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)}
 _DKDV_CFG = {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (16, 64, 8, 2)}
 _DQ_CFG = {64: (64, 32, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
@@ -129,10 +127,9 @@ def _stages(stages: int, q: torch.Tensor) -> int:
     take twice the shared memory: from head dim 80 up (padded to 128) the tables' launches asked for
     more than the H200's 227 KiB (dK/dV at 96: 288 KiB), so fp32 there takes no extra stage."""
     return 1 if q.element_size() == 4 and q.shape[-1] > 64 else stages
-# Forward with RoPE on q (`rope=`): at D=128 the 128-row launch rotated q 13% slower than it runs
-# on a rotated q, (64, 64, 4, 3) 2-3% slower (H200, B4 H32/8 S4096 causal: 1.263 against
-# 1.227-1.238 ms; B4 H16/4 S2048: 0.2055 against 0.199-0.205; benchmarks/probes/
-# rope_attention_layouts.py).
+# Forward with RoPE on q (`rope=`): at D=128 the 64-row launch loses less to the rotation than the
+# 128-row one (an H200 sweep: benchmarks/probes/rope_attention_layouts.py as of 67836ab; the
+# current comparison is benchmarks/results/latest/rope_attention.md).
 _FWD_ROPE_CFG = {128: (64, 64, 4, 3)}
 
 

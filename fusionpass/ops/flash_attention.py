@@ -1,9 +1,15 @@
 """fusionpass::flash_attention and fusionpass::flash_attention_backward: triton_ops (CUDA), host
 custom ops (CPU), autograd.
 
-    out, lse = flash_attention(q, k, v, key_padding, key_bias, scale, causal, window,
-                               align_bottom_right, dropout_p, seed, token_major=False,
-                               rope_cos=None, rope_sin=None, rope_form="", rotary_dim=0)
+    out, lse = flash_attention(q, k, v, key_padding=None, key_bias=None, seed=None,
+                               rope_cos=None, rope_sin=None, *, scale, causal=False, window=0,
+                               align_bottom_right=False, dropout_p=0.0, token_major=False,
+                               rope_form="", rotary_dim=0)
+
+The rewrites pass every argument past q, k and v by name, and those that edit a call
+(rope_attention, attention_out_proj) set it by name. The options are keyword-only; the optional
+tensors cannot be (torch.library refuses keyword-only tensors), and they take no gradient
+(`_setup` refuses one that requires it).
 
 q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (GQA/MQA: Hq % Hkv == 0, read without repeat), key_padding
 [B, Lk] bool (True = keep) or None, key_bias [B, Hq, Lk] float added to every query row's
@@ -34,7 +40,7 @@ reference: math attention with an explicit boolean mask built from the same rule
 dropout keep bits drawn in torch (`philox_keep16`, the bits `attention_dropout_mask` returns). The
 reference backward differentiates the reference forward.
 
-Measured on the H200: benchmarks/results/2026-11-30-h200-attention-kernel.md.
+Measured on the H200: benchmarks/results/latest/flash_attention.md.
 """
 from __future__ import annotations
 
@@ -170,10 +176,10 @@ def _reference_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, cau
 
 @torch.library.custom_op("fusionpass::flash_attention_forward_host", mutates_args=())
 def _forward_host(
-    q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None, key_bias: Tensor | None, scale: float,
-    causal: bool, window: int,
-    align_bottom_right: bool, dropout_p: float, seed: Tensor | None, token_major: bool = False,
-    rope_cos: Tensor | None = None, rope_sin: Tensor | None = None, rope_form: str = "", rotary_dim: int = 0,
+    q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None = None, key_bias: Tensor | None = None,
+    seed: Tensor | None = None, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None, *, scale: float,
+    causal: bool = False, window: int = 0, align_bottom_right: bool = False, dropout_p: float = 0.0,
+    token_major: bool = False, rope_form: str = "", rotary_dim: int = 0,
 ) -> tuple[Tensor, Tensor]:
     args = (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     rope = _rope(rope_cos, rope_sin, rope_form, rotary_dim)
@@ -190,17 +196,16 @@ def _forward_host(
 
 
 @_forward_host.register_fake
-def _(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed, token_major=False,
-      rope_cos=None, rope_sin=None, rope_form="", rotary_dim=0):
+def _(q, k, v, *_tensors, token_major=False, **_options):
     out = token_major_empty(q) if token_major else host.empty_like(q)
     return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("fusionpass::flash_attention_backward_host", mutates_args=())
 def _backward_host(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None,
-    key_bias: Tensor | None, scale: float, causal: bool, window: int, align_bottom_right: bool, dropout_p: float,
-    seed: Tensor | None,
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None = None,
+    key_bias: Tensor | None = None, seed: Tensor | None = None, *, scale: float, causal: bool = False,
+    window: int = 0, align_bottom_right: bool = False, dropout_p: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     args = (do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     if host.interpreting():
@@ -211,7 +216,7 @@ def _backward_host(
 
 
 @_backward_host.register_fake
-def _(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed):
+def _(do, q, k, v, out, lse, *_tensors, **_options):
     return host.empty_like(q), host.empty_like(k), host.empty_like(v)
 
 
@@ -221,59 +226,64 @@ def _(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align
 
 @torch.library.triton_op("fusionpass::flash_attention", mutates_args=())
 def flash_attention(
-    q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None, key_bias: Tensor | None, scale: float,
-    causal: bool, window: int,
-    align_bottom_right: bool, dropout_p: float, seed: Tensor | None, token_major: bool = False,
-    rope_cos: Tensor | None = None, rope_sin: Tensor | None = None, rope_form: str = "", rotary_dim: int = 0,
+    q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None = None, key_bias: Tensor | None = None,
+    seed: Tensor | None = None, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None, *, scale: float,
+    causal: bool = False, window: int = 0, align_bottom_right: bool = False, dropout_p: float = 0.0,
+    token_major: bool = False, rope_form: str = "", rotary_dim: int = 0,
 ) -> tuple[Tensor, Tensor]:
     _check(q, k, v, dropout_p, seed, window, causal)
-    args = (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
+    options = dict(scale=scale, key_padding=key_padding, key_bias=key_bias, causal=causal, window=window,
+                   align_bottom_right=align_bottom_right, dropout_p=dropout_p, seed=seed)
+    rope = dict(rope_cos=rope_cos, rope_sin=rope_sin, rope_form=rope_form, rotary_dim=rotary_dim)
     if q.device.type != "cuda":
-        return _forward_host(*args, token_major, rope_cos, rope_sin, rope_form, rotary_dim)
-    return _kernel_forward(*args, token_major=token_major, rope=_rope(rope_cos, rope_sin, rope_form, rotary_dim))
+        return _forward_host(q, k, v, **options, token_major=token_major, **rope)
+    return _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p,
+                           seed, token_major=token_major, rope=_rope(rope_cos, rope_sin, rope_form, rotary_dim))
 
 
 @torch.library.triton_op("fusionpass::flash_attention_backward", mutates_args=())
 def flash_attention_backward(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None,
-    key_bias: Tensor | None, scale: float, causal: bool, window: int, align_bottom_right: bool, dropout_p: float,
-    seed: Tensor | None,
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None = None,
+    key_bias: Tensor | None = None, seed: Tensor | None = None, *, scale: float, causal: bool = False,
+    window: int = 0, align_bottom_right: bool = False, dropout_p: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    args = (do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
     if do.device.type != "cuda":
-        return _backward_host(*args)
-    return _kernel_backward(*args)
+        return _backward_host(do, q, k, v, out, lse, scale=scale, key_padding=key_padding, key_bias=key_bias,
+                              causal=causal, window=window, align_bottom_right=align_bottom_right,
+                              dropout_p=dropout_p, seed=seed)
+    return _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
+                            dropout_p, seed)
 
 
-def _setup(ctx, inputs, output):
-    (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed, _token_major,
-     rope_cos, rope_sin, rope_form, rotary_dim) = inputs
+def _setup(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, key_padding, key_bias, seed, rope_cos, rope_sin = inputs
+    for what, t in (("key_bias", key_bias), ("RoPE cos/sin", rope_cos), ("RoPE cos/sin", rope_sin)):
+        if t is not None and t.requires_grad:
+            raise RuntimeError(f"fusionpass::flash_attention does not differentiate its {what}")
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin)
-    ctx.flags = (scale, causal, window, align_bottom_right, dropout_p)
-    ctx.rope = (rope_form, rotary_dim)
+    kw = keyword_only_inputs
+    ctx.flags = {n: kw[n] for n in ("scale", "causal", "window", "align_bottom_right", "dropout_p") if n in kw}
+    ctx.rope = (kw.get("rope_form", ""), kw.get("rotary_dim", 0))
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, _dlse):
     if dout is None:
-        return (None,) * 16
-    if any(ctx.needs_input_grad[12:14]):  # (shorter when the call left the rope arguments out)
-        raise RuntimeError("fusionpass::flash_attention does not differentiate the RoPE cos/sin")
+        return (None,) * 8
     q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin = ctx.saved_tensors
-    scale, causal, window, align_bottom_right, dropout_p = ctx.flags
     form, rotary_dim = ctx.rope
     if rope_cos is not None:
         # the forward rotated q as it loaded it; the backward kernels read the rotated q, made
         # here (one rotation launch), and the gradient is rotated back (the transposed map)
         q = torch.ops.fusionpass.rope(q, None, rope_cos, rope_sin, form, rotary_dim)[0]
     dq, dk, dv = torch.ops.fusionpass.flash_attention_backward(
-        dout, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed
+        dout, q, k, v, out, lse, key_padding=key_padding, key_bias=key_bias, seed=seed, **ctx.flags
     )
     if rope_cos is not None:
         dq = torch.ops.fusionpass.rope_backward(dq, None, rope_cos, rope_sin, form, rotary_dim)[0]
     # out (saved) and dout may be token-major or otherwise strided: the kernels read their strides
-    return dq, dk, dv, *(None,) * 13
+    return dq, dk, dv, *(None,) * 5
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup)

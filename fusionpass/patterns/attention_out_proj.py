@@ -20,7 +20,8 @@ An explicit `.contiguous()` stays in the graph; on a contiguous tensor it is no 
 In the backward: GPT-2/Llama's form had no copy there (the gradient of transpose + reshape is a
 strided view of the projection's input gradient, which the backward kernels read as it is, before
 and after); BLOOM's had one, the gradient made contiguous for the [B*H, S, D] round-trip views,
-which goes with them (CPU evidence: benchmarks/probes/attention_out_proj.py --smoke kernel names).
+which goes with them (seen in the kernel names Inductor generates on CPU: benchmarks/probes/
+attention_out_proj.py --smoke as of 67836ab).
 
 The projection GEMM itself stays a library GEMM: fusing it into the attention kernel would make
 each attention program compute all H heads of its tokens (one program per query block instead of
@@ -47,9 +48,6 @@ from fusionpass import registry
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
 
-_TOKEN_MAJOR_ARG = 11  # position of `token_major` in fusionpass::flash_attention's schema
-_TRANSPOSES = ("transpose", torch.transpose)
-_PERMUTES = ("permute", torch.permute)
 _LINEARS = (torch._C._nn.linear, F.linear)
 _MATMULS = (torch.matmul, operator.matmul, "matmul")
 _ADDMMS = (torch.addmm, "addmm")
@@ -61,8 +59,6 @@ def _flash_attention():
 
 
 def _token_major(call: fx.Node) -> bool:
-    if len(call.args) > _TOKEN_MAJOR_ARG:
-        return bool(call.args[_TOKEN_MAJOR_ARG])
     return bool(call.kwargs.get("token_major", False))
 
 
@@ -99,17 +95,6 @@ def _attention_output(call: fx.Node) -> fx.Node:
     return out
 
 
-def _swaps_heads_and_tokens(node) -> bool:
-    """node is x.transpose(1, 2) (either order, negative dims allowed) or x.permute(0, 2, 1, 3)."""
-    if g.is_call(node, _TRANSPOSES):
-        dims = node.args[1:3] if len(node.args) == 3 else ()
-        return len(dims) == 2 and all(isinstance(d, int) for d in dims) and {d % 4 for d in dims} == {1, 2}
-    if g.is_call(node, _PERMUTES):
-        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
-        return [d % 4 if isinstance(d, int) else d for d in dims] == [0, 2, 1, 3]
-    return False
-
-
 def _past_contiguous(node: fx.Node) -> fx.Node:
     """Follow `.contiguous()` calls (no-ops once the layout is token-major) to the last one."""
     while True:
@@ -141,7 +126,7 @@ def _merge(start: fx.Node, shape: tuple) -> tuple[list[fx.Node], tuple[str, fx.N
     reshape to [B, S, H*D] and the projection. Returns (chain nodes, projection) or None."""
     B, H, S, D = shape
     t = _only_user(start)
-    if not _swaps_heads_and_tokens(t):
+    if not g.swaps_heads_and_tokens(t):
         return None
     x = _past_contiguous(t)
     r = _only_user(x)
@@ -196,10 +181,7 @@ device_supported = g.device_supported(lambda b: b["out"])
 
 def replace(graph: fx.Graph, m: Match, cfg) -> None:
     call, out = m.anchor, m.bindings["out"]
-    if len(call.args) >= _TOKEN_MAJOR_ARG:
-        call.args = (*call.args[:_TOKEN_MAJOR_ARG], True, *call.args[_TOKEN_MAJOR_ARG + 1:])
-    else:
-        call.kwargs = {**call.kwargs, "token_major": True}
+    call.kwargs = {**call.kwargs, "token_major": True}
     # later patterns read example values: give the op and its outputs the new strides
     mode = g.fake_mode_of([a for a in call.args if isinstance(a, fx.Node)])
     if mode is not None:
@@ -224,8 +206,7 @@ ATTENTION_OUT_PROJ = registry.register(
         name="attention_out_proj",
         summary='the attention kernel writes token-major output for the output projection (no head-merge copy)',
         when="wherever attention's kernel output is merged back to [B, S, H*D] for a linear",
-        evidence='benchmarks/results/2026-11-30-h200-attention_out_proj.md',
-        after=("attention", "rope_attention"),
+        after=("flash_attention", "rope_attention"),
         matches=(
             "fusionpass::flash_attention output merged back to [B, S, H*D] for the output projection "
             "(transpose(1, 2) [.contiguous()] .reshape/.view, BLOOM's _merge_heads view/permute/reshape) "

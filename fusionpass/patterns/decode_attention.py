@@ -38,14 +38,8 @@ from fusionpass import registry
 from fusionpass.patterns import eager_attention as eager
 from fusionpass.patterns import graph as g
 from fusionpass.patterns import masks
-from fusionpass.patterns.attention import (
-    _grouped_kv,
-    _repeat_kv_nodes,
-    is_sdpa,
-    kernel_dtypes,
-    kernel_shapes,
-    sdpa_arguments,
-)
+from fusionpass.patterns.attention_kernel import key_padding_vector, kernel_dtypes, kernel_shapes
+from fusionpass.patterns.sdpa import grouped_kv, is_sdpa, query_device, repeat_kv_nodes, sdpa_arguments
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
 
 MAX_QUERY = 16
@@ -142,8 +136,6 @@ def decode_mask(mask: fx.Node, args: dict) -> tuple[fx.Node, int, int, list[fx.N
     q_pos, lq, length, causal_nodes = causal
     key_padding = None
     if others:
-        from fusionpass.patterns.attention import _key_padding_vector
-
         padding_nodes = []
         kinds = [masks.classify(t) for t in others]
         if any(k.kind != "none" or not k.runtime for k in kinds) or len(
@@ -151,7 +143,7 @@ def decode_mask(mask: fx.Node, args: dict) -> tuple[fx.Node, int, int, list[fx.N
         ) != 1:
             raise NearMiss("decode mask with more than the causal term and one key-padding lookup "
                            f"({'; '.join(k.detail for k in kinds)})")
-        key_padding = _key_padding_vector(kinds[0], mask, args)
+        key_padding = key_padding_vector(kinds[0], mask, args)
         for k in kinds:
             padding_nodes += k.nodes
         nodes += padding_nodes
@@ -228,7 +220,7 @@ def _search(node: fx.Node, args: dict, mask: fx.Node, nodes: list, extra_mask_no
     if g.dtype(mask) != torch.bool:
         raise NearMiss(f"decode attention mask of dtype {g.dtype(mask)} (an additive bias)")
     key, value = args["key"], args["value"]
-    grouped = _grouped_kv(args)
+    grouped = grouped_kv(args)
     if grouped is not None:
         key, value, _ = grouped
     try:
@@ -260,7 +252,6 @@ def _search(node: fx.Node, args: dict, mask: fx.Node, nodes: list, extra_mask_no
 # guards
 
 
-device_supported = g.device_supported(lambda b: b["args"]["query"])
 
 
 def inference_only(m: Match, cfg) -> str | None:
@@ -331,7 +322,7 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
     graph.erase_node(node)
     g.erase_unused(graph, [n for n in m.nodes if n is not node])
     g.erase_unused(graph, [n for n in b["mask_nodes"] if n.op != "placeholder"])
-    g.erase_unused(graph, _repeat_kv_nodes(args))
+    g.erase_unused(graph, repeat_kv_nodes(args))
 
 
 DECODE_ATTENTION = registry.register(
@@ -350,13 +341,13 @@ DECODE_ATTENTION = registry.register(
         ),
         selected_when=(
             "inference graphs with a static query length <= 16, head dim 64/128/256, one float "
-            "dtype, fp16/bf16 on CUDA (fp32 is a near miss there: attention.kernel_dtypes); the causal "
+            "dtype, fp16/bf16 on CUDA (fp32 is a near miss there: attention_kernel.kernel_dtypes); the causal "
             "term with at most one key-padding lookup (windows are near misses)"
         ),
         anchor=is_decode_step,
         variants=(Variant("static_cache", search),),  # also reports "one_query_any_mask"
         guards=(
-            Guard("device", device_supported),
+            Guard("device", query_device),
             Guard("inference", inference_only),
             Guard("constants", constants),
             Guard("dtype", kernel_dtypes),

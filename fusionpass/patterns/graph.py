@@ -75,6 +75,8 @@ def is_op(node, name: str) -> bool:
 # One table of op spellings: a Dynamo graph writes a reshape as a method call or as a function of
 # torch or torch.Tensor
 VIEWS = ("view", "reshape", torch.reshape, torch.Tensor.view, torch.Tensor.reshape)
+TRANSPOSES = ("transpose", torch.transpose)
+PERMUTES = ("permute", torch.permute)
 
 
 def is_call(node, targets) -> bool:
@@ -251,19 +253,22 @@ def fake_mode_of(nodes: Iterable) -> object | None:
     return None
 
 
-def insert_call(graph: fx.Graph, before: fx.Node, target, args: tuple, like: fx.Node) -> fx.Node:
-    """Insert `target(*args)` before `before`, with its example value computed under the graph's
-    fake mode (later patterns read it) and provenance copied from `like`."""
+def insert_call(graph: fx.Graph, before: fx.Node, target, args: tuple, like: fx.Node,
+                kwargs: dict | None = None) -> fx.Node:
+    """Insert `target(*args, **kwargs)` before `before`, with its example value computed under the
+    graph's fake mode (later patterns read it) and provenance copied from `like`."""
+    kwargs = kwargs or {}
     with graph.inserting_before(before):
-        new = graph.call_function(target, args)
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
-        if key in like.meta:
-            new.meta[key] = like.meta[key]
-    mode = fake_mode_of([a for a in args if isinstance(a, fx.Node)])
+        new = graph.call_function(target, args, kwargs)
+    copy_provenance(new, like)
+    inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, fx.Node)]
+    mode = fake_mode_of(inputs)
     if mode is not None:
-        fake_args = [value(a) if isinstance(a, fx.Node) else a for a in args]
+        def fake(a):
+            return value(a) if isinstance(a, fx.Node) else a
+
         with mode:
-            new.meta["example_value"] = target(*fake_args)
+            new.meta["example_value"] = target(*map(fake, args), **{k: fake(v) for k, v in kwargs.items()})
     return new
 
 
@@ -309,3 +314,14 @@ def copy_provenance(new: fx.Node, like: fx.Node) -> None:
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
         if key in like.meta:
             new.meta[key] = like.meta[key]
+
+
+def swaps_heads_and_tokens(node) -> bool:
+    """node is x.transpose(1, 2) (either order, negative dims allowed) or x.permute(0, 2, 1, 3)."""
+    if is_call(node, TRANSPOSES):
+        dims = node.args[1:3] if len(node.args) == 3 else ()
+        return len(dims) == 2 and all(isinstance(d, int) for d in dims) and {d % 4 for d in dims} == {1, 2}
+    if is_call(node, PERMUTES):
+        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        return [d % 4 if isinstance(d, int) else d for d in dims] == [0, 2, 1, 3]
+    return False

@@ -1,6 +1,6 @@
 """rope_attention: the rotary embedding of q moves into the attention kernel that reads it.
 
-Runs after `attention`. Its anchor is a fusionpass::flash_attention call whose query is a rotated
+Runs after `flash_attention`. Its anchor is a fusionpass::flash_attention call whose query is a rotated
 tensor, as the models write it (patterns/rope.py: HF `q * cos + rotate_half(q) * sin`, GPT-J's
 interleaved `rotate_every_two`, partial rotary's `cat([rotated, pass], -1)`), or the q output of a
 fusionpass::rope call (with rope_kernel on), possibly followed by
@@ -13,9 +13,9 @@ is (Inductor's code, or a k-only fusionpass::rope call): each forward program re
 of its row of blocks, so rotating k on load would repeat the rotation for every query block, and a
 rotated k is what a KV cache stores anyway: left to Inductor (as rope's cost rule does for
 decode-sized steps), k's rotation and its `index_copy_` into a static cache are one kernel
-(benchmarks/probes/rope_kv_cache.py, on the H200 and on CPU).
-The rotation on load costs the kernel 2-3% at head dim 128 (with its own launch, _FWD_ROPE_CFG),
-less than the rotation kernel it replaces; partial rotary takes a slower form (a near miss). In the backward the op rotates q again (one launch) for
+(benchmarks/probes/rope_kv_cache.py as of 67836ab, on the H200 and on CPU).
+The rotation on load costs the kernel less than the rotation kernel it replaces (with its own
+launch, _FWD_ROPE_CFG; benchmarks/results/latest/rope_attention.md); partial rotary takes a slower form (a near miss). In the backward the op rotates q again (one launch) for
 the backward kernels and rotates dq back, which is what the unfused graph's rope backward did: in
 training the bytes saved in the forward are spent again there (see the cost rule).
 
@@ -35,7 +35,6 @@ from torch import fx
 from fusionpass import registry
 from fusionpass.patterns import graph as g
 from fusionpass.patterns import rope as rope_patterns
-from fusionpass.patterns.attention_out_proj import _swaps_heads_and_tokens
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
 
 
@@ -44,7 +43,7 @@ def _flash_attention():
 
 
 def _has_rope(call: fx.Node) -> bool:
-    return len(call.args) > 12 or call.kwargs.get("rope_cos") is not None
+    return call.kwargs.get("rope_cos") is not None
 
 
 def is_anchor(node) -> bool:
@@ -70,7 +69,7 @@ def _walk(q: fx.Node) -> tuple[fx.Node, list[fx.Node], bool]:
         if src is not None:
             chain.append(node)
             node = src
-        elif not permuted and _swaps_heads_and_tokens(node):
+        elif not permuted and g.swaps_heads_and_tokens(node):
             chain.append(node)
             node = g.first_arg(node)
             permuted = True
@@ -122,10 +121,9 @@ def _search_graph_rotation(call: fx.Node) -> Match | None:
     found = _graph_rotation(rotated)
     if found is None:
         return None
-    variant = found["form"] + ("_partial" if found["partial"] else "")
     bindings = dict(found, rotated=rotated, chain=chain, permuted=permuted, rope_call=None)
     bindings["rotation_nodes"] = found["nodes"]
-    return Match(variant, call, [*found["nodes"], *chain], bindings)
+    return Match("graph_rotation", call, [*found["nodes"], *chain], bindings)
 
 
 def _search_rope_call(call: fx.Node) -> Match | None:
@@ -198,8 +196,8 @@ def whole_head_rotated(m: Match, cfg) -> str | None:
 
 def form_measured_faster(m: Match, cfg) -> str | None:
     if m.bindings["form"] == "interleaved" and not cfg.rope_attention_interleaved:
-        return ("interleaved (GPT-J) form: rotating q on load measured 0.96-1.01x of rotating it first on the H200 "
-                "(rope_attention_interleaved=True / FUSIONPASS_ROPE_ATTENTION_INTERLEAVED=1 routes it anyway)")
+        return ("interleaved (GPT-J) form: rotating q on load is opt-in for it "
+                "(rope_attention_interleaved=True / FUSIONPASS_ROPE_ATTENTION_INTERLEAVED=1)")
     return None
 
 
@@ -273,8 +271,7 @@ ROPE_ATTENTION = registry.register(
         name="rope_attention",
         summary="q's rotary embedding applied as the attention kernel loads q",
         when="inference (rope_attention_training: training too), rotate_half (rope_attention_interleaved: GPT-J's form too)",
-        evidence='benchmarks/results/2026-12-01-h200-rope_attention.md',
-        after=("attention", "rope"),
+        after=("flash_attention", "rope"),
         options=Options,
         matches=(
             "a fusionpass::flash_attention call whose q is rotated (HF rotate_half, GPT-J interleaved, partial "

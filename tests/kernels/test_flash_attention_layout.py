@@ -36,9 +36,10 @@ def token_major(*shape, dtype=torch.float32, grad=False):
     return t.detach().requires_grad_(grad)
 
 
-def args(q, k, v, bias=None, dropout_p=0.0):
+def call(q, k, v, token_major, bias=None, dropout_p=0.0):
     seed = torch.tensor([1234], dtype=torch.int64) if dropout_p > 0 else None
-    return (q, k, v, None, bias, D**-0.5, True, 0, False, dropout_p, seed)
+    return OP(q, k, v, key_bias=bias, seed=seed, scale=D**-0.5, causal=True, dropout_p=dropout_p,
+              token_major=token_major)
 
 
 TOKEN_MAJOR_STRIDES = (L * H * D, D, H * D, 1)
@@ -47,10 +48,10 @@ TOKEN_MAJOR_STRIDES = (L * H * D, D, H * D, 1)
 @pytest.mark.parametrize("tm", [False, True])
 def test_real_and_fake_strides(path, tm):
     q, k, v = (token_major(B, H, L, D) for _ in range(3))
-    out, lse = OP(*args(q, k, v), tm)
+    out, lse = call(q, k, v, tm)
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
-        fout, flse = OP(*args(fq, fk, fv), tm)
+        fout, flse = call(fq, fk, fv, tm)
     assert out.shape == fout.shape == (B, H, L, D)
     assert out.stride() == fout.stride() == (TOKEN_MAJOR_STRIDES if tm else (H * L * D, L * D, D, 1))
     assert out.transpose(1, 2).is_contiguous() == tm
@@ -68,7 +69,7 @@ def test_token_major_forward_backward(path, dtype, dout_layout):
         dout = dout.contiguous()
     results = {}
     for tm in (False, True):
-        out, lse = OP(*args(q, k, v, bias, dropout_p=0.25), tm)
+        out, lse = call(q, k, v, tm, bias, dropout_p=0.25)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         results[tm] = (out, lse, *grads)
     assert results[True][0].stride() == TOKEN_MAJOR_STRIDES

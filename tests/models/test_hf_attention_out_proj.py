@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from models.test_hf_eager_attention import bloom, gpt2, ids  # noqa: E402  (after the importorskip)
 from patterns.test_attention_kernel_patterns import _mistral  # noqa: E402
 
-FUSIONS = ["attention", "attention_out_proj"]
+FUSIONS = ["flash_attention", "attention_out_proj"]
 FLASH = torch.ops.fusionpass.flash_attention.default
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -58,7 +58,7 @@ def check(model, attention_variant, out_proj_variant, train, layers=2, x=None, d
         got, codes = run_and_get_code(run, fused, model, (x,), train, kwargs=kwargs)
         stats = fusionpass.stats(variants=True)
     assert near_misses() == []
-    assert stats == {("attention", attention_variant): layers, ("attention_out_proj", out_proj_variant): layers}
+    assert stats == {("flash_attention", attention_variant): layers, ("attention_out_proj", out_proj_variant): layers}
     # codes[0] is the forward: each attention output goes straight into a projection GEMM
     readers = attention_output_readers(codes[0])
     assert len(readers) == layers, readers
@@ -90,7 +90,7 @@ def test_gpt2_copy_kernel_without_the_fusion():
     # the control: attention alone leaves a copy kernel between the op and the projection
     model = gpt2(layers=1).eval()
     with compiling():
-        fused = torch.compile(model, backend=make_backend(["attention"]), fullgraph=True)
+        fused = torch.compile(model, backend=make_backend(["flash_attention"]), fullgraph=True)
         _, codes = run_and_get_code(run, fused, model, (ids(),), False, kwargs={"use_cache": False})
     (reader,) = attention_output_readers(codes[0])
     assert reader.startswith("cpp_fused_clone_transpose"), reader
@@ -99,9 +99,9 @@ def test_gpt2_copy_kernel_without_the_fusion():
 def test_bloom_graph_has_no_round_trip_views():
     # the permute of _merge_heads reads the op's output; token-major is set on the op
     gm, _, record = fused_graph(bloom(layers=1).train(), ids(), fusions=FUSIONS)
-    assert record.matches == {("attention", "eager_alibi_kernel"): 1, ("attention_out_proj", "merge_heads"): 1}
+    assert record.matches == {("flash_attention", "eager_alibi_kernel"): 1, ("attention_out_proj", "merge_heads"): 1}
     (call,) = [n for n in gm.graph.nodes if n.target is FLASH]
-    assert call.args[11] is True
+    assert call.kwargs["token_major"] is True
     (out,) = [u for u in call.users if u.args[1] == 0]
     assert [u.target for u in out.users] == ["permute"]
 
@@ -118,8 +118,8 @@ class NotProjected(torch.nn.Module):
 def test_not_projected_is_a_near_miss():
     q, k, v = (torch.randn(2, 2, 8, 64) for _ in range(3))
     gm, _, record = fused_graph(NotProjected(), q, k, v, fusions=FUSIONS)
-    assert record.matches == {("attention", "eager_kernel"): 1}
+    assert record.matches == {("flash_attention", "eager_kernel"): 1}
     ((fusion, _, reason),) = record.near_misses
     assert fusion == "attention_out_proj" and "not an output projection" in reason
     (call,) = [n for n in gm.graph.nodes if n.target is FLASH]
-    assert len(call.args) == 11 and not call.kwargs
+    assert len(call.args) == 3 and "token_major" not in call.kwargs

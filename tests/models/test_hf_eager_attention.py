@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_outcomes_close, compile_and_count, compiling, fused_graph, near_misses, run
+from helpers import ATTENTION, attention_key, assert_outcomes_close, compile_and_count, compiling, fused_graph, near_misses, run
 
 import fusionpass
 from fusionpass.ops import flash_attention as fa_ops
 
 transformers = pytest.importorskip("transformers")
 
-FUSION = "attention"
 B, S, HEADS, HEAD_DIM = 2, 8, 2, 64
 FLASH = torch.ops.fusionpass.flash_attention.default
 
@@ -82,9 +81,9 @@ def check(model, variant, train, kwargs=None, rtol=2e-4):
     if train:
         kwargs["labels"] = x
     model.train(train)
-    got, stats = compile_and_count(model, x, fusions=[FUSION], train=train, kwargs=kwargs)
+    got, stats = compile_and_count(model, x, fusions=ATTENTION, train=train, kwargs=kwargs)
     assert near_misses() == []
-    assert stats == {(FUSION, variant): 2}
+    assert stats == {attention_key(variant): 2}
     with compiling():
         want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), train, kwargs=kwargs)
         assert fusionpass.stats() == {}
@@ -116,8 +115,8 @@ def test_other_eager_families(family, train):
 def test_bloom_graph_has_no_scores():
     # the S x S scores, the softmax and the dropout of the probabilities are gone from the graph
     model = bloom(layers=1).train()
-    gm, _, record = fused_graph(model, ids(), fusions=[FUSION])
-    assert record.matches == {(FUSION, "eager_alibi_kernel"): 1}
+    gm, _, record = fused_graph(model, ids(), fusions=ATTENTION)
+    assert record.matches == {attention_key("eager_alibi_kernel"): 1}
     targets = [n.target for n in gm.graph.nodes]
     assert FLASH in targets
     assert not [t for t in targets if t in (torch.baddbmm, "baddbmm", torch.bmm, torch.nn.functional.softmax)]
@@ -127,7 +126,7 @@ def test_padded_batch_is_a_near_miss():
     model = bloom().eval()
     mask = torch.ones(B, S, dtype=torch.long)
     mask[1, :3] = 0  # left padding: query rows 0..2 of row 1 see no key
-    _, stats = compile_and_count(model, ids(), fusions=[FUSION], kwargs={"attention_mask": mask, "use_cache": False})
+    _, stats = compile_and_count(model, ids(), fusions=ATTENTION, kwargs={"attention_mask": mask, "use_cache": False})
     assert stats == {}
     reasons = [r for _, _, r in near_misses()]
     assert len(reasons) == 2 and all("run-time key padding" in r for r in reasons)
@@ -141,7 +140,7 @@ class ReturnsProbabilities(torch.nn.Module):
 
 def test_returned_probabilities_are_a_near_miss():
     q, k, v = (torch.randn(B, HEADS, S, HEAD_DIM) for _ in range(3))
-    _, _, record = fused_graph(ReturnsProbabilities(), q, k, v, fusions=[FUSION])
+    _, _, record = fused_graph(ReturnsProbabilities(), q, k, v, fusions=ATTENTION)
     assert record.matches == {}
     ((_, _, reason),) = record.near_misses
     assert "also read outside the attention" in reason
@@ -154,7 +153,7 @@ def test_bloom_dropout_statistics():
     x = ids()
     losses = {"fused": [], "plain": []}
     with compiling():
-        fused = torch.compile(model, backend=fusionpass.backend(fusions=[FUSION], cpu=True), fullgraph=True)
+        fused = torch.compile(model, backend=fusionpass.backend(fusions=ATTENTION, cpu=True), fullgraph=True)
         plain = torch.compile(model, backend="inductor", fullgraph=True)
         for name, fn in (("fused", fused), ("plain", plain)):
             for seed in range(8):

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_outcomes_close, compile_and_count, compiling, near_misses, run
+from helpers import ATTENTION, attention_key, assert_outcomes_close, compile_and_count, compiling, near_misses, run
 
 import fusionpass
 from fusionpass.ops import flash_attention as fa_ops
 
 transformers = pytest.importorskip("transformers")
 
-FUSION = "attention"
 B, S, HEADS, HEAD_DIM = 2, 8, 2, 64
 
 
@@ -58,9 +57,9 @@ def check(model, variant, train, attention_mask=None, rtol=2e-4):
     if train:
         kwargs["labels"] = x.clone()
     model.train(train)
-    got, stats = compile_and_count(model, x, fusions=[FUSION], train=train, kwargs=kwargs)
+    got, stats = compile_and_count(model, x, fusions=ATTENTION, train=train, kwargs=kwargs)
     assert near_misses() == []
-    assert stats == {(FUSION, variant): 2}
+    assert stats == {attention_key(variant): 2}
     with compiling():
         want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), train, kwargs=kwargs)
         assert fusionpass.stats() == {}
@@ -84,7 +83,7 @@ def test_falcon_sdpa_alibi_left_padded_training():
     model = falcon("sdpa", multi_query=True).train()
     x = ids()
     kwargs = {"use_cache": False, "attention_mask": left_padded(), "labels": x}
-    got, stats = compile_and_count(model, x, fusions=[FUSION], train=True, kwargs=kwargs)
+    got, stats = compile_and_count(model, x, fusions=ATTENTION, train=True, kwargs=kwargs)
     assert stats == {}
     reasons = {r for _, _, r in near_misses()}
     assert reasons == {"SDPA mask with a bias and run-time key padding in training: the gradient SDPA gives "
@@ -102,7 +101,7 @@ def test_falcon_eager_alibi(train):
 def test_falcon_eager_padded_batch_is_a_near_miss():
     model = falcon("eager").eval()
     kwargs = {"attention_mask": left_padded(), "use_cache": False}
-    _, stats = compile_and_count(model, ids(), fusions=[FUSION], kwargs=kwargs)
+    _, stats = compile_and_count(model, ids(), fusions=ATTENTION, kwargs=kwargs)
     assert stats == {}
     reasons = [r for _, _, r in near_misses()]
     assert len(reasons) == 2 and all("run-time key padding" in r for r in reasons)

@@ -13,7 +13,7 @@ from fusionpass.ops import flash_attention as fa_ops
 
 transformers = pytest.importorskip("transformers")
 
-FUSIONS = ["attention", "rope_attention"]
+FUSIONS = ["flash_attention", "rope_attention"]
 ROPE = torch.ops.fusionpass.rope.default
 FLASH = torch.ops.fusionpass.flash_attention.default
 WIDTH, HEADS, LAYERS = 128, 2, 2  # head dim 64, the kernel's smallest
@@ -64,23 +64,19 @@ def compare(model, train, fusions=FUSIONS, **config):
     return stats, misses
 
 
-@pytest.mark.parametrize("family, variant", [
-    ("llama", "rotate_half"), ("qwen2", "rotate_half"),
-    # Phi-3 and GPT-J slice and re-cat even when every channel rotates (the pass-through is empty);
-    # GPT-J's interleaved form (rotated in [B, S, H, D], permuted after) only where opted in
-    ("phi3", "rotate_half_partial"), ("gptj", "interleaved_partial"),
-])
-def test_inference(family, variant):
+# Phi-3 and GPT-J slice and re-cat even when every channel rotates (the pass-through is empty);
+# GPT-J's interleaved form (rotated in [B, S, H, D], permuted after) only where opted in
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "gptj"])
+def test_inference(family):
     stats, misses = compare(build(family), train=False, rope_attention_interleaved=True)
-    assert stats == {("attention", "eager_kernel"): LAYERS, ("rope_attention", variant): LAYERS}
+    assert stats == {("flash_attention", "eager_kernel"): LAYERS, ("rope_attention", "graph_rotation"): LAYERS}
     assert misses == []
 
 
 @pytest.mark.parametrize("family", ["llama", "gptj"])
 def test_training_opted_in(family):
-    variant = "rotate_half" if family == "llama" else "interleaved_partial"
     stats, misses = compare(build(family), train=True, rope_attention_training=True, rope_attention_interleaved=True)
-    assert stats == {("attention", "eager_kernel"): LAYERS, ("rope_attention", variant): LAYERS}
+    assert stats == {("flash_attention", "eager_kernel"): LAYERS, ("rope_attention", "graph_rotation"): LAYERS}
     assert misses == []
 
 
@@ -88,14 +84,14 @@ def test_interleaved_is_a_near_miss_by_default():
     model = build("gptj").eval()
     with torch.no_grad():
         _, _, record = fused_graph(model, ids(), fusions=FUSIONS)
-    assert record.matches == {("attention", "eager_kernel"): LAYERS}
+    assert record.matches == {("flash_attention", "eager_kernel"): LAYERS}
     reasons = [r for f, _, r in record.near_misses if f == "rope_attention"]
     assert len(reasons) == LAYERS and all(r.startswith("form: interleaved (GPT-J)") for r in reasons)
 
 
 def test_training_is_a_near_miss_by_default():
     stats, misses = compare(build("llama"), train=True)
-    assert stats == {("attention", "eager_kernel"): LAYERS}
+    assert stats == {("flash_attention", "eager_kernel"): LAYERS}
     assert len(misses) == LAYERS and all(f == "rope_attention" and r.startswith("cost: training") for f, _, r in misses)
 
 
@@ -104,7 +100,7 @@ def test_partial_rotary_is_a_near_miss(family):
     model = build(family).eval()
     with torch.no_grad():
         _, _, record = fused_graph(model, ids(), fusions=FUSIONS)
-    assert record.matches == {("attention", "eager_kernel"): LAYERS}
+    assert record.matches == {("flash_attention", "eager_kernel"): LAYERS}
     reasons = [r for f, _, r in record.near_misses if f == "rope_attention"]
     assert len(reasons) == LAYERS and all(r.startswith("layout: partial rotary") for r in reasons)
 
@@ -116,7 +112,7 @@ def test_rope_kernel_call_keeps_k(monkeypatch):
     model = build("llama").eval()
     with torch.no_grad():  # inference: nothing differentiates q
         gm, _, record = fused_graph(model, ids(), fusions=["rope", *FUSIONS])
-    assert record.matches == {("rope", "rotate_half"): LAYERS, ("attention", "eager_kernel"): LAYERS,
+    assert record.matches == {("rope", "rotate_half"): LAYERS, ("flash_attention", "eager_kernel"): LAYERS,
                               ("rope_attention", "rope_kernel"): LAYERS}
     ropes = [n for n in gm.graph.nodes if n.target is ROPE]
     flashes = [n for n in gm.graph.nodes if n.target is FLASH]
@@ -131,7 +127,7 @@ def _llama_graph():
     from fusionpass import config as config_mod
 
     with torch.no_grad():
-        gm, _, _ = fused_graph(build("llama").eval(), ids(), fusions=["attention"])
+        gm, _, _ = fused_graph(build("llama").eval(), ids(), fusions=["flash_attention"])
     calls = [n for n in gm.graph.nodes if n.target is FLASH]
     assert len(calls) == LAYERS
     return gm, calls, config_mod.make(cpu=True)
@@ -152,7 +148,7 @@ def test_rotated_q_read_elsewhere_is_a_near_miss():
     with gm.graph.inserting_after(q_rot):
         gm.graph.call_function(torch.neg, (q_rot,))  # another reader of the rotated q
     record = _apply_rope_attention(gm, cfg)
-    assert record.matches == {("rope_attention", "rotate_half"): LAYERS - 1}
+    assert record.matches == {("rope_attention", "graph_rotation"): LAYERS - 1}
     ((_, _, reason),) = record.near_misses
     assert reason.startswith("private:") and "also read outside the attention" in reason
 
@@ -167,6 +163,6 @@ def test_dtype_changing_cast_is_a_near_miss():
     cast.meta["example_value"] = q_rot.meta["example_value"].to(torch.float64)
     calls[0].args = (cast, *calls[0].args[1:])
     record = _apply_rope_attention(gm, cfg)
-    assert record.matches == {("rope_attention", "rotate_half"): LAYERS - 1}
+    assert record.matches == {("rope_attention", "graph_rotation"): LAYERS - 1}
     ((_, _, reason),) = record.near_misses
     assert "q is cast from torch.float32 to torch.float64" in reason

@@ -9,13 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_outcomes_close, compile_and_count, eager, fused_graph, near_misses
+from helpers import ATTENTION, attention_key, assert_outcomes_close, compile_and_count, eager, fused_graph, near_misses
 from torch import nn
 
 from fusionpass.ops import flash_attention as fa_ops
 from patterns.test_attention_masks import attention_mask, causal, sdpa_mask
 
-FUSION = "attention"
 B, H, S, D = 2, 2, 8, 64
 MIN = torch.finfo(torch.float32).min
 FLASH = torch.ops.fusionpass.flash_attention.default
@@ -70,9 +69,9 @@ def qkv(kv_heads=H):
 
 def check(module, args, variant, count, train):
     module.train(train)
-    got, stats = compile_and_count(module, *args, fusions=[FUSION], train=train)
+    got, stats = compile_and_count(module, *args, fusions=ATTENTION, train=train)
     assert near_misses() == []
-    assert stats == {(FUSION, variant): count}
+    assert stats == {attention_key(variant): count}
     want = eager(module, *args, train=train)
     if train:
         assert sorted(got.grads) == ["input0", "input1", "input2"]
@@ -94,7 +93,7 @@ def test_left_padding_rows_that_see_no_key():
 def test_left_padding_in_training_is_a_near_miss():
     # SDPA's gradient for q and k at the rows that see no key is not reproduced by the kernel
     module = BiasedAttention("falcon").train()
-    got, stats = compile_and_count(module, *qkv(kv_heads=1), attention_mask("left"), fusions=[FUSION], train=True)
+    got, stats = compile_and_count(module, *qkv(kv_heads=1), attention_mask("left"), fusions=ATTENTION, train=True)
     assert stats == {}
     ((_, _, reason),) = near_misses()
     assert reason.startswith("SDPA mask with a bias and run-time key padding in training")
@@ -103,18 +102,20 @@ def test_left_padding_in_training_is_a_near_miss():
 def test_replacement_reads_the_per_key_bias():
     """One kernel call with causal=True and the bias [B, H, L] selected from [B, H, 1, L]; the
     mask (masked_fill, where, comparison) is gone."""
-    gm, out, record = fused_graph(BiasedAttention("falcon").eval(), *qkv(), fusions=[FUSION])
-    assert record.matches == {(FUSION, "alibi_mask_kernel"): 1}
+    gm, out, record = fused_graph(BiasedAttention("falcon").eval(), *qkv(), fusions=ATTENTION)
+    assert record.matches == {attention_key("alibi_mask_kernel"): 1}
     (call,) = [n for n in gm.graph.nodes if n.target is FLASH]
-    q, k, v, kp, key_bias, scale, is_causal, window, bottom_right, p, seed = call.args
-    assert (kp, is_causal, window, bottom_right, p, seed) == (None, True, 0, False, 0.0, None)
+    o = call.kwargs
+    assert (o["key_padding"], o["causal"], o["window"], o["align_bottom_right"], o["dropout_p"], o["seed"]) == (
+        None, True, 0, False, 0.0, None)
+    key_bias = o["key_bias"]
     assert tuple(key_bias.meta["example_value"].shape) == (B, H, S)
     assert not [n for n in gm.graph.nodes if n.target in (torch.masked_fill, torch.where)]
 
 
 def test_bias_with_a_query_dimension_is_a_near_miss():
     # [B, H, L, L]: a bias that could differ per query row (e.g. T5's relative positions)
-    _, _, record = fused_graph(BiasedAttention("falcon", query_rows=S).eval(), *qkv(), fusions=[FUSION])
+    _, _, record = fused_graph(BiasedAttention("falcon", query_rows=S).eval(), *qkv(), fusions=ATTENTION)
     assert record.matches == {}
     ((_, _, reason),) = record.near_misses
     assert "has a query dimension" in reason
@@ -128,7 +129,7 @@ class RunTimeMask(nn.Module):
 
 def test_unprovable_mask_is_a_near_miss():
     visible = torch.ones(B, 1, S, S, dtype=torch.bool).tril()
-    _, _, record = fused_graph(RunTimeMask().eval(), *qkv(), visible, fusions=[FUSION])
+    _, _, record = fused_graph(RunTimeMask().eval(), *qkv(), visible, fusions=ATTENTION)
     assert record.matches == {}
     ((_, _, reason),) = record.near_misses
     assert "the boolean mask under it is not provable" in reason
@@ -142,7 +143,7 @@ class GradBias(nn.Module):
 
 def test_bias_that_needs_a_gradient_is_a_near_miss():
     bias = alibi(S, B).clone().requires_grad_(True)
-    _, _, record = fused_graph(GradBias().train(), *qkv(), bias, fusions=[FUSION])
+    _, _, record = fused_graph(GradBias().train(), *qkv(), bias, fusions=ATTENTION)
     assert record.matches == {}
     ((_, _, reason),) = record.near_misses
     assert "requires grad" in reason

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_outcomes_close, compile_and_count, compiling, eager, fused_graph, near_misses, run
+from helpers import ATTENTION, assert_outcomes_close, compile_and_count, compiling, eager, fused_graph, near_misses, run
 
 import fusionpass
 from patterns.test_attention_masks import Attention, attention_mask, counts
 
 from fusionpass.ops import flash_attention as fa_ops
 
-FUSION = "attention"
 B, H, S, D = 2, 2, 8, 64
 FLASH = torch.ops.fusionpass.flash_attention.default
 
@@ -37,7 +36,7 @@ def inputs(padding_kind=None, kv_heads=H, seq=S):
 
 def check(module, args, expected, train=False):
     module.train(train)
-    got, stats = compile_and_count(module, *args, fusions=[FUSION], train=train)
+    got, stats = compile_and_count(module, *args, fusions=ATTENTION, train=train)
     assert near_misses() == []
     assert stats == expected
     want = eager(module, *args, train=train)
@@ -78,7 +77,7 @@ def test_gqa_reads_grouped_kv(padding_kind, variant):
     """repeat_kv copies of 1 kv head for 2 query heads: the op reads the grouped K/V."""
     module = Attention("sliding_window", repeat_kv="hf")
     args = inputs(padding_kind, kv_heads=1)
-    gm, out, record = fused_graph(module.eval(), *args, fusions=[FUSION])
+    gm, out, record = fused_graph(module.eval(), *args, fusions=ATTENTION)
     assert record.matches == counts(**{variant: 1})
     (call,) = [n for n in gm.graph.nodes if n.target is FLASH]
     assert [a.op for a in call.args[1:3]] == ["placeholder", "placeholder"]
@@ -89,18 +88,19 @@ def test_gqa_reads_grouped_kv(padding_kind, variant):
 
 def test_window_size_from_the_mask():
     """The op gets the window the mask encodes (3) and top-left alignment; the mask is gone."""
-    gm, _, record = fused_graph(Attention("sliding_window").eval(), *inputs(), fusions=[FUSION])
+    gm, _, record = fused_graph(Attention("sliding_window").eval(), *inputs(), fusions=ATTENTION)
     (call,) = [n for n in gm.graph.nodes if n.target is FLASH]
-    q, k, v, kp, key_bias, scale, causal, window, bottom_right, p, seed = call.args
-    assert (kp, key_bias, causal, window, bottom_right, p, seed) == (None, None, True, 3, False, 0.0, None)
-    assert scale == pytest.approx(D**-0.5)
+    o = call.kwargs
+    assert (o["key_padding"], o["key_bias"], o["causal"], o["window"], o["align_bottom_right"], o["dropout_p"],
+            o["seed"]) == (None, None, True, 3, False, 0.0, None)
+    assert o["scale"] == pytest.approx(D**-0.5)
     assert not [n for n in gm.graph.nodes if n.target == "expand"]  # the mask is gone
 
 
 def test_head_dim_guard():
     module = Attention("sliding_window").eval()
     args = (torch.randn(B, H, S, 16), torch.randn(B, H, S, 16), torch.randn(B, H, S, 16))
-    _, _, record = fused_graph(module, *args, fusions=[FUSION])
+    _, _, record = fused_graph(module, *args, fusions=ATTENTION)
     assert record.matches == {}
     ((_, _, reason),) = record.near_misses
     assert reason.startswith("kernel_head_dim: head dim 16 not in the kernel's")
@@ -108,7 +108,7 @@ def test_head_dim_guard():
 
 def test_off_by_default(monkeypatch):
     monkeypatch.delenv("FUSIONPASS_ATTENTION_KERNEL")
-    _, _, record = fused_graph(Attention("sliding_window").eval(), *inputs(), fusions=[FUSION])
+    _, _, record = fused_graph(Attention("sliding_window").eval(), *inputs(), fusions=ATTENTION)
     assert record.matches == {}
     ((_, _, reason),) = record.near_misses
     assert "opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1)" in reason
@@ -140,7 +140,7 @@ def test_hf_mistral_sliding_window(train, mask):
         kwargs["attention_mask"] = attention_mask(mask, batch=B, length=S)
     if train:
         kwargs["labels"] = ids
-    got, stats = compile_and_count(model, ids, fusions=[FUSION], train=train, kwargs=kwargs)
+    got, stats = compile_and_count(model, ids, fusions=ATTENTION, train=train, kwargs=kwargs)
     assert near_misses() == []
     variant = "sliding_window_kernel_padded" if mask else "sliding_window_kernel"
     assert stats == counts(**{variant: 2})
@@ -171,7 +171,7 @@ def _kernel_match(dtype, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_fp32_stays_out_of_the_kernel_on_cuda_only(dtype, device):
-    from fusionpass.patterns.attention import kernel_dtypes
+    from fusionpass.patterns.attention_kernel import kernel_dtypes
 
     why = kernel_dtypes(_kernel_match(dtype, device), fusionpass.Config())
     if dtype == torch.float32 and device == "cuda":

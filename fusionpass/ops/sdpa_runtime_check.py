@@ -1,4 +1,4 @@
-"""fusionpass::all_true: the one run-time check the attention rewrite needs per forward."""
+"""fusionpass::all_true: the one run-time check sdpa_runtime_check needs per forward."""
 from __future__ import annotations
 
 import torch

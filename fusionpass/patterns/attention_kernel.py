@@ -1,0 +1,83 @@
+"""What every route to our attention kernels checks (flash_attention, decode_attention): one
+dtype for q, k and v, [B, H, L, D] shapes with whole query groups per kv head, and the run-time
+key-padding vector a mask reads, proven to be `attention_mask[batch, kv]`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from fusionpass.patterns import graph as g
+from fusionpass.patterns import masks
+from fusionpass.registry import Match, NearMiss
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def key_padding_vector(found: masks.MaskKind, mask: fx.Node, args: dict) -> fx.Node:
+    """The [B, Lk] bool tensor the mask reads as `padding[batch_idx, kv_idx]`, exactly."""
+    if len({r.source for r in found.runtime}) != 1:
+        raise NearMiss("key padding from several run-time tensors: one key-padding vector only")
+    term = found.runtime[0]
+    source, index = term.source, term.index
+    q, k, t = g.tensor(args["query"]), g.tensor(args["key"]), g.tensor(source)
+    m = g.tensor(mask)
+    why = None
+    if t is None or t.dim() != 2 or len(index) != 2 or m is None or m.dim() != 4:
+        why = "not a 2-D lookup into a 4-D mask"
+    elif t.dtype != torch.bool:
+        why = f"key-padding tensor of dtype {t.dtype}"
+    else:
+        (b_idx, kv_idx) = index
+        batch_axis = -m.dim()
+        for placement, axis, size, name in ((b_idx, batch_axis, q.shape[0], "batch"),
+                                             (kv_idx, masks.KV_AXIS, k.shape[-2], "key")):
+            length = dict(placement.lengths).get(axis)
+            if placement.coef != ((axis, 1),) or placement.const != 0 or length is None or not (
+                statically_known_true(length == size)
+            ):
+                why = f"its {name} index is not arange({size}) on the mask's {name} axis"
+                break
+        if why is None and not (
+            statically_known_true(t.shape[0] == q.shape[0]) and statically_known_true(t.shape[1] == k.shape[-2])
+        ):
+            why = f"key-padding tensor of shape {tuple(t.shape)}, not [{q.shape[0]}, {k.shape[-2]}]"
+    if why is not None:
+        raise NearMiss(f"key padding not provably attention_mask[batch, kv]: {why}")
+    return source
+
+
+def kernel_dtypes(m: Match, cfg) -> str | None:
+    """q, k and v share one dtype of fp16/bf16/fp32, and on CUDA not fp32: the kernels' fp32 dot
+    products are IEEE fp32 on FMA units, and on the H200 fp32 attention through them was far
+    slower than plain torch.compile's (benchmarks/results/latest/flash_attention.md), so
+    fp32 graphs keep their attention there. (CPU graphs, which run the host ops, keep fp32.)"""
+    b = m.bindings
+    q = b["args"]["query"]
+    dtypes = [g.dtype(n) for n in (q, b["key"], b["value"])]
+    if len(set(dtypes)) != 1:
+        return f"q/k/v dtypes {[str(d) for d in dtypes]} differ: the kernel takes one of fp16/bf16/fp32"
+    if dtypes[0] == torch.float32 and g.tensor(q).device.type == "cuda":
+        return ("fp32 q/k/v: the kernel's fp32 dot products run on FMA units, slower than plain "
+                "torch.compile's attention (benchmarks/results/latest/flash_attention.md)")
+    if dtypes[0] not in DTYPES:
+        return f"q/k/v dtype {dtypes[0]}: the kernel takes one of fp16/bf16/fp32"
+    return None
+
+
+def kernel_shapes(m: Match, cfg) -> str | None:
+    """q [B, Hq, Lq, D], k = v [B, Hkv, Lk, D], Hq % Hkv == 0, statically."""
+    b = m.bindings
+    q, k, v = (g.tensor(n) for n in (b["args"]["query"], b["key"], b["value"]))
+    if any(t is None or t.dim() != 4 for t in (q, k, v)):
+        return "q/k/v are not all 4-D [B, H, L, D]"
+    hq, hkv = g.static_int(q.shape[1]), g.static_int(k.shape[1])
+    same = all(statically_known_true(a == c) for a, c in zip(k.shape, v.shape))
+    if not same or not statically_known_true(q.shape[0] == k.shape[0]) or not statically_known_true(
+        q.shape[3] == k.shape[3]
+    ):
+        return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not [B, H, L, D] alike"
+    if hq is None or hkv is None or hkv == 0 or hq % hkv:
+        return f"query heads {q.shape[1]} not a static multiple of kv heads {k.shape[1]}"
+    return None

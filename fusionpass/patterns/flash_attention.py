@@ -1,0 +1,354 @@
+"""flash_attention: attention the model computes in a slow form -> fusionpass::flash_attention, our
+FlashAttention-2 style kernel (fusionpass/kernels/attention.py), forward and backward.
+
+On by default, where SDPA has no fast kernel for what the model computes:
+  - attention written in torch ops (BLOOM's baddbmm with ALiBi, MPT, Falcon, GPT-2's matmuls; see
+    fusionpass.patterns.eager_attention): the kernel replaces the S x S scores, softmax and
+    probabilities;
+  - SDPA whose float mask is a per-key bias where a proven boolean mask is true and min elsewhere
+    (Falcon with ALiBi: `masked_fill(alibi / sqrt(d), where(m, 0, min) < -1, min)`; or
+    `where(m, 0, min) + bias`): SDPA runs its math or memory-efficient kernel and reads the
+    [B, H, Lq, Lk] bias; the kernel takes the [B, H, Lk] key_bias. Run-time key padding too in
+    inference (rows that see no key get SDPA's average of the values).
+Opt-in (`attention_kernel`): SDPA with a sliding-window mask (Mistral, Gemma-2's local layers,
+Qwen2 with use_sliding_window), and a causal or all-true mask AND key padding from the run-time
+attention_mask: window, alignment and the [B, Lk] key-padding vector read from the mask's
+classification, grouped K/V read without repeat_kv, no torch.cond, no host sync. Off by default
+because against SDPA's own kernels it won on some shapes and lost on others
+(benchmarks/results/latest/flash_attention.md).
+On CUDA every route takes fp16/bf16 only: the kernels' fp32 dots run on FMA units, slower than
+plain torch.compile (`attention_kernel.kernel_dtypes`).
+
+Near misses: a bias with a query dimension, a mask that is not proven, mixed dtypes, run-time
+padding in training under a float mask (SDPA's gradient at rows that see no key), diagonal
+offsets that are neither top-left nor bottom-right. This fusion runs before sdpa_mask and
+sdpa_runtime_check, so where its kernel route is on it is preferred over their rewrites.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from fusionpass import registry
+from fusionpass.patterns import attention_kernel as ak
+from fusionpass.patterns import dropout as dp
+from fusionpass.patterns import eager_attention as eager
+from fusionpass.patterns import graph as g
+from fusionpass.patterns import masks
+from fusionpass.patterns import sdpa
+from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
+
+
+def _kernel_search(kind: str, padded: bool):
+    """`kind` masks (sliding_window, causal, none), with (`padded`) or without run-time key padding,
+    for fusionpass::flash_attention."""
+
+    def search(node: fx.Node) -> Match | None:
+        args = sdpa.sdpa_arguments(node)
+        mask = args["attn_mask"]
+        if not isinstance(mask, fx.Node) or args["is_causal"] is not False or g.dtype(mask) != torch.bool:
+            return None
+        found = masks.classify(mask)
+        if found.kind != kind or bool(found.runtime) != padded:
+            return None
+        if kind == "sliding_window" and (found.window is None or found.window < 1):
+            raise NearMiss(f"{found.detail} without a causal bound: the kernel's window needs one")
+        key_padding = ak.key_padding_vector(found, mask, args) if padded else None
+        key, value = args["key"], args["value"]
+        grouped = sdpa.grouped_kv(args)
+        if grouped is not None:
+            key, value, _ = grouped
+        return Match(
+            variant=f"{kind}_kernel" + ("_padded" if padded else ""),
+            anchor=node,
+            nodes=[node],
+            bindings=dict(args=args, mask=mask, mask_nodes=found.nodes, kind=kind,
+                          key=key, value=value, key_padding=key_padding, shift=found.shift, window=found.window),
+        )
+
+    return search
+
+
+_EAGER_KINDS = ("causal", "none", "sliding_window")
+
+
+def _eager_search(node: fx.Node) -> Match | None:
+    """Attention written in torch ops (BLOOM's baddbmm with ALiBi, GPT-2's matmuls; see
+    fusionpass.patterns.eager_attention) -> fusionpass::flash_attention."""
+    if not eager.is_anchor(node):
+        return None
+    found = eager.describe(node)
+    if found is None:
+        return None
+    e, args = found
+    kind, shift, window, mask_nodes = "none", 0, None, []
+    if e.mask is not None:
+        mk = masks.classify(e.mask)
+        if mk.kind not in _EAGER_KINDS:
+            raise NearMiss(f"eager attention mask not provable: {mk.detail}")
+        if mk.runtime:
+            raise NearMiss(
+                f"eager attention mask with run-time key padding ({mk.detail}): a query row that sees no "
+                "key averages every value under the additive mask, and is 0 in the kernel"
+            )
+        if mk.kind == "sliding_window" and (mk.window is None or mk.window < 1):
+            raise NearMiss(f"{mk.detail} without a causal bound: the kernel's window needs one")
+        kind, shift, window = mk.kind, mk.shift, mk.window
+        mask_nodes = [*e.mask_nodes, *mk.nodes]
+    biased = e.key_bias is not None or e.mask_bias is not None
+    if biased:
+        why = eager.check_key_bias(e, args["query"], args["key"])
+        if why is not None:
+            raise NearMiss(why)
+    key, value = args["key"], args["value"]
+    grouped = sdpa.grouped_kv(args)
+    if grouped is not None:
+        key, value, _ = grouped
+    variant = "eager_alibi_mask_kernel" if e.mask_bias is not None else (
+        "eager_alibi_kernel" if biased else "eager_kernel")
+    return Match(
+        variant=variant,
+        anchor=node,
+        nodes=list(e.nodes),
+        bindings=dict(args=args, mask=e.mask, mask_nodes=mask_nodes, kind=kind,
+                      key=key, value=value, key_padding=None, shift=shift, window=window, eager=e),
+    )
+
+
+def _alibi_mask_search(node: fx.Node) -> Match | None:
+    """SDPA whose float mask is a per-key bias where a proven boolean mask is true and very
+    negative elsewhere (Falcon's `masked_fill(alibi / sqrt(d), where(m, 0, min) < -1, min)`, or
+    `where(m, 0, min) + bias`) -> fusionpass::flash_attention with key_bias, causal and key
+    padding from m. On by default: SDPA has no fast kernel for a float mask (it runs its
+    memory-efficient or math kernel and reads the [B, H, Lq, Lk] bias)."""
+    args = sdpa.sdpa_arguments(node)
+    mask = args["attn_mask"]
+    if not isinstance(mask, fx.Node) or args["is_causal"] is not False or not eager._float_node(mask):
+        return None
+    found = eager.biased_mask(mask)
+    if found is None:
+        return None
+    q = args["query"]
+    why = eager.per_key_problem(found.bias, q, args["key"])
+    if why is not None:
+        raise NearMiss(f"SDPA mask with a bias: {why}")
+    dtypes = {g.dtype(n) for n in (q, mask, found.bias)}
+    if len(dtypes) != 1:
+        raise NearMiss(f"SDPA mask with a bias: query, mask and bias dtypes {sorted(map(str, dtypes))} differ")
+    mk = masks.classify(found.visible)
+    if mk.kind not in ("causal", "none", "sliding_window"):
+        raise NearMiss(f"SDPA mask with a bias: the boolean mask under it is not provable ({mk.detail})")
+    if mk.kind == "sliding_window" and (mk.window is None or mk.window < 1):
+        raise NearMiss(f"{mk.detail} without a causal bound: the kernel's window needs one")
+    key_padding = None
+    if mk.runtime:
+        _padding_rows_reproducible(found, mk, args)
+        key_padding = ak.key_padding_vector(mk, found.visible, args)
+    key, value = args["key"], args["value"]
+    grouped = sdpa.grouped_kv(args)
+    if grouped is not None:
+        key, value, _ = grouped
+    return Match(
+        variant="alibi_mask_kernel" + ("_padded" if mk.runtime else ""),
+        anchor=node,
+        nodes=[node],
+        bindings=dict(args=args, mask=found.visible, mask_nodes=[*found.nodes, *mk.nodes], kind=mk.kind, key=key, value=value, key_padding=key_padding,
+                      shift=mk.shift, window=mk.window, key_bias=found.bias, empty_rows=bool(mk.runtime)),
+    )
+
+
+def _padding_rows_reproducible(found, mk: masks.MaskKind, args: dict) -> None:
+    """With run-time key padding a query row may see no key (left padding). Under the float mask
+    its scores are all the fill, so SDPA averages every value; the kernel gives 0. The replacement
+    writes that average into those rows (`_average_empty_rows`), which is exact only where the
+    fill absorbs the scores (fp32/bf16's min, not fp16's -65504) and the rows that see no key
+    are known: causal top-left with Lq == Lk (row i: no kept key <= i) or no causal bound (no
+    kept key at all)."""
+    if found.fill > eager.ABSORBING_FILL:
+        raise NearMiss(
+            f"SDPA mask with a bias and run-time key padding, fill {found.fill:g}: a query row that sees no "
+            "key gets softmax(scores + fill) from SDPA, not reproducible by the kernel"
+        )
+    lq, lk = g.tensor(args["query"]).shape[-2], g.tensor(args["key"]).shape[-2]
+    if mk.kind == "sliding_window" or (mk.kind == "causal" and not statically_known_true(lq == lk)):
+        raise NearMiss(f"SDPA mask with a bias: {mk.detail}, where the rows that see no key are not wired")
+    if _needs_grad(args):
+        # SDPA differentiates its softmax at those rows as a uniform one, which gives q and k a
+        # gradient there; emulating it (an extra q (k - mean k)^T v term) crashed Inductor's CPU
+        # code in training, so training with padding stays on SDPA
+        raise NearMiss("SDPA mask with a bias and run-time key padding in training: the gradient SDPA gives "
+                       "q and k at query rows that see no key is not reproduced by the kernel")
+
+
+def _needs_grad(args: dict) -> bool:
+    return any(getattr(g.tensor(args[n]), "requires_grad", False) for n in ("query", "key"))
+
+
+def _average_empty_rows(graph: fx.Graph, out: fx.Node, b: dict, before: fx.Node) -> fx.Node:
+    """out, with the rows that see no key replaced by the mean of every value (what SDPA computes
+    there under a float mask whose fill absorbs the scores; the kernel leaves 0). Causal: row i is
+    empty iff no key <= i is kept; otherwise iff no key is kept."""
+    def call(target, *args):
+        return g.insert_call(graph, before, target, args, before)
+
+    pad = b["key_padding"]  # [B, Lk] bool
+    if b["kind"] == "causal":
+        empty = call(torch.eq, call(torch.cumsum, pad, -1), 0)  # [B, Lq], Lq == Lk
+    else:
+        empty = call(torch.logical_not, call(torch.any, pad, -1, True))  # [B, 1]
+    empty = call(operator.getitem, empty, (slice(None), None, slice(None), None))
+    q, v = b["args"]["query"], b["value"]
+    hq, hkv = (g.static_int(g.tensor(n).shape[1]) for n in (q, v))
+
+    def per_query_head(x):
+        return x if hkv in (1, hq) else call(torch.repeat_interleave, x, hq // hkv, 1)
+
+    average = per_query_head(call(torch.mean, v, -2, True))  # [B, Hq or 1, 1, D]
+    return call(torch.where, empty, average, out)
+
+
+def kernel_head_dim(m: Match, cfg) -> str | None:
+    from fusionpass.kernels.attention import HEAD_DIMS
+
+    d = g.static_int(g.tensor(m.bindings["args"]["query"]).shape[-1])
+    if d not in HEAD_DIMS:
+        return f"head dim {d} not in the kernel's {HEAD_DIMS}"
+    return None
+
+
+def kernel_constants(m: Match, cfg) -> str | None:
+    """dropout_p and scale are constants; the diagonal is top-left or bottom-right aligned."""
+    args = m.bindings["args"]
+    p = args["dropout_p"]
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        return f"dropout_p {p!r} is not a constant in [0, 1)"
+    scale = args["scale"]
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        return f"scale {scale!r} is not a constant"
+    shift = m.bindings["shift"]
+    lq, lk = g.tensor(args["query"]).shape[-2], g.tensor(args["key"]).shape[-2]
+    if shift != 0 and not statically_known_true(lk - lq == shift):
+        return f"diagonal offset {shift} is neither 0 (top-left) nor Lk - Lq (bottom-right)"
+    return None
+
+
+def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
+    b = m.bindings
+    node, args = m.anchor, b["args"]
+    q = args["query"]
+    d = g.static_int(g.tensor(q).shape[-1])
+    scale = float(args["scale"]) if args["scale"] is not None else d**-0.5
+    p = float(args["dropout_p"])
+    seed = dp.insert_seed(graph, node, q) if p > 0 else None
+    causal = b["kind"] != "none"
+    e = b.get("eager")
+    if e is not None and (e.key_bias is not None or e.mask_bias is not None):
+        key_bias = eager.insert_key_bias(graph, e, q, node)
+    elif b.get("key_bias") is not None:
+        key_bias = eager.insert_per_key(graph, b["key_bias"], node)
+    else:
+        key_bias = None
+    options = dict(key_padding=b["key_padding"], key_bias=key_bias, scale=scale, causal=causal,
+                   window=b["window"] or 0, align_bottom_right=b["shift"] != 0, dropout_p=p, seed=seed)
+    call = g.insert_call(graph, node, torch.ops.fusionpass.flash_attention.default, (q, b["key"], b["value"]), node,
+                         kwargs=options)
+    out, _ = g.insert_getitems(graph, call, 2)
+    if b.get("empty_rows"):
+        out = _average_empty_rows(graph, out, b, node)
+    if e is not None and g.tensor(node).dim() == 3:
+        # BLOOM's bmm gives [B*H, Lq, D]; the kernel's output is contiguous [B, H, Lq, D] here
+        # (attention_out_proj may then make it token-major and drop this view with _merge_heads' own)
+        with graph.inserting_after(out):
+            flat = graph.call_method("view", (out, list(g.tensor(node).shape)))
+        flat.meta.update(node.meta)
+        out = flat
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    if e is not None:
+        g.erase_unused(graph, [n for n in e.nodes if n is not node])
+    g.erase_unused(graph, [n for n in b["mask_nodes"] if n.op != "placeholder"])
+    g.erase_unused(graph, sdpa.repeat_kv_nodes(args))
+
+
+
+
+def _only(search, variant: str):
+    """`search`'s match where it names `variant`: one declared Variant per form a search tells
+    apart (stats() and `fusionpass list` name the same variants)."""
+
+    def only(node: fx.Node) -> Match | None:
+        m = search(node)
+        return m if m is not None and m.variant == variant else None
+
+    return only
+
+
+def _kernel_on(cfg) -> bool:
+    return cfg.attention_kernel
+
+
+_UNMATCHED = "softmax(scores) @ values in a form this fusion has no rewrite for"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """flash_attention's opt-in route (settings named attention_*, as before the split)."""
+
+    # Off by default: against SDPA's own kernels it won on some models and lost on others
+    # (benchmarks/results/latest/flash_attention.md). Eager-math and ALiBi attention go to the
+    # kernel regardless. Where on, it is preferred over sdpa_runtime_check's torch.cond.
+    kernel: bool = option(False, "SDPA with a proven sliding-window mask, or causal/all-true AND "
+                                 "run-time key padding -> fusionpass::flash_attention")
+
+
+FLASH_ATTENTION = registry.register(
+    Fusion(
+        name="flash_attention",
+        summary="eager-math attention and ALiBi-biased SDPA masks to our FlashAttention-2 kernel",
+        when="eager/ALiBi attention in fp16/bf16 (attention_kernel: SDPA windows and padding too)",
+        after=("decode_attention", "rope"),
+        options=Options,
+        settings_prefix="attention",
+        matches=(
+            "eager-math attention (BLOOM's baddbmm of the ALiBi tensor, MPT's added ALiBi slice and "
+            "masked_fill, Falcon's ALiBi in scores and mask, GPT-2's matmul / scale / "
+            "additive causal mask / softmax / dropout / matmul) and SDPA whose float mask carries a per-key "
+            "(ALiBi) bias over a proven causal/all-true mask (+ key padding) -> fusionpass::flash_attention; "
+            "opt-in: SDPA with a proven sliding-window mask, or a causal/all-true mask AND run-time key padding"
+        ),
+        selected_when=(
+            "eager-math attention and ALiBi-biased SDPA masks (our kernel instead of S x S tensors); "
+            "sliding windows and run-time key padding in SDPA only with attention_kernel=True; "
+            "fp16/bf16 on CUDA (fp32 is a near miss there, kernel_dtypes)"
+        ),
+        anchor=lambda node: sdpa.has_mask_node(node) or eager.is_anchor(node),
+        variants=(
+            Variant("eager_kernel", _only(_eager_search, "eager_kernel")),
+            Variant("eager_alibi_kernel", _only(_eager_search, "eager_alibi_kernel")),
+            # Falcon's eager form with ALiBi in scores and mask: only its fp32 form reaches this (in
+            # bf16/fp16 it upcasts its scores after viewing them, which the search does not
+            # follow), and kernel_dtypes keeps fp32 out on CUDA
+            Variant("eager_alibi_mask_kernel", _only(_eager_search, "eager_alibi_mask_kernel"), cuda=False),
+            *(Variant(v, _only(_alibi_mask_search, v)) for v in ("alibi_mask_kernel", "alibi_mask_kernel_padded")),
+            Variant("sliding_window_kernel", _kernel_search("sliding_window", False), when=_kernel_on),
+            Variant("sliding_window_kernel_padded", _kernel_search("sliding_window", True), when=_kernel_on),
+            Variant("causal_kernel_padded", _kernel_search("causal", True), when=_kernel_on),
+            Variant("none_kernel_padded", _kernel_search("none", True), when=_kernel_on),
+        ),
+        guards=(
+            Guard("device", sdpa.query_device),
+            Guard("shape", sdpa.mask_covers_the_scores),
+            Guard("kernel_dtype", ak.kernel_dtypes),
+            Guard("kernel_shape", ak.kernel_shapes),
+            Guard("kernel_head_dim", kernel_head_dim),
+            Guard("kernel_constants", kernel_constants),
+        ),
+        replace=replace_with_kernel,
+        # an SDPA call this fusion leaves is sdpa_mask's or sdpa_runtime_check's next
+        unmatched=lambda node: _UNMATCHED if eager.is_anchor(node) else None,
+    )
+)
