@@ -51,7 +51,7 @@ def key_padding_vector(found: masks.MaskKind, mask: fx.Node, args: dict) -> fx.N
 def kernel_dtypes(m: Match, cfg) -> str | None:
     """q, k and v share one dtype of fp16/bf16/fp32, and on CUDA not fp32: the kernels' fp32 dot
     products are IEEE fp32 on FMA units, and on the H200 fp32 attention through them was far
-    slower than plain torch.compile's (benchmarks/results/latest/flash_attention.md), so
+    slower than plain torch.compile's (benchmarks/results/2026-12-01-h200-fp32-attention.md as of 67836ab), so
     fp32 graphs keep their attention there. (CPU graphs, which run the host ops, keep fp32.)"""
     b = m.bindings
     q = b["args"]["query"]
@@ -60,7 +60,7 @@ def kernel_dtypes(m: Match, cfg) -> str | None:
         return f"q/k/v dtypes {[str(d) for d in dtypes]} differ: the kernel takes one of fp16/bf16/fp32"
     if dtypes[0] == torch.float32 and g.tensor(q).device.type == "cuda":
         return ("fp32 q/k/v: the kernel's fp32 dot products run on FMA units, slower than plain "
-                "torch.compile's attention (benchmarks/results/latest/flash_attention.md)")
+                "torch.compile's attention (benchmarks/results/2026-12-01-h200-fp32-attention.md as of 67836ab)")
     if dtypes[0] not in DTYPES:
         return f"q/k/v dtype {dtypes[0]}: the kernel takes one of fp16/bf16/fp32"
     return None
