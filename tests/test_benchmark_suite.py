@@ -15,10 +15,13 @@ HEADER = ("date", "gpu", "torch", "triton", "transformers", "command")
 
 
 def _suite():
-    spec = importlib.util.spec_from_file_location("benchmark_suite", ROOT / "benchmarks" / "suite.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    # benchmarks/ is no package: load the script as a module (registered, as dataclasses need)
+    if "benchmark_suite" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("benchmark_suite", ROOT / "benchmarks" / "suite.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["benchmark_suite"]
 
 
 def test_smoke_run_writes_each_topic(tmp_path):
