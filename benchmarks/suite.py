@@ -2,7 +2,7 @@
 fusionpass, interleaved in one process. Its output is the only place current numbers live.
 
     python benchmarks/suite.py [--only TOPIC,...] [--device cuda|cpu] [--smoke]
-                               [--out-dir benchmarks/results/latest] [--case TEXT,...] [--budget-s S]
+                               [--out-dir benchmarks/results/latest] [--case "TEXT;..."] [--budget-s S]
     python benchmarks/suite.py --readme     # README.md's performance table from the latest files
 
 Topics: one per fusion (KERNEL_TOPICS), `models` (training and inference steps of HF models built
@@ -693,9 +693,18 @@ def compile_time_summary(rows) -> list[str]:
     added = [r["added"] for r in rows if "added" in r]
     if not added:
         return ["No model step was measured.", ""]
-    worst = max(added)
-    return [f"Median added first-step time: {statistics.median(added):+.1%}; largest: {worst:+.1%} "
-            f"(the bar: at most +10%: {'met' if worst <= 0.10 else 'NOT met'} on these models).", ""]
+    # The side compiled second reuses what the first compiled in this process (Triton's kernel
+    # cache, Inductor's loaded modules), so each order is summarized alone, and the order-free
+    # figure is the mean of the two (the rows alternate which side goes first).
+    by_order = {side: [r["added"] for r in rows if r.get("compiled_first") == side] for side in ("plain", "fusionpass")}
+    if not all(by_order.values()):
+        return [f"Median added first-step time: {statistics.median(added):+.1%} (one compile order only: "
+                "biased by the order).", ""]
+    plain_first, fused_first = (statistics.median(by_order[s]) for s in ("plain", "fusionpass"))
+    both = (plain_first + fused_first) / 2
+    return [f"Added first-step time, median over rows with plain compiled first: {plain_first:+.1%}; with "
+            f"fusionpass first: {fused_first:+.1%}; their mean, the order-free estimate: {both:+.1%} "
+            f"(the bar, at most +10%: {'met' if both <= 0.10 else 'NOT met'} on these models).", ""]
 
 
 # =============================================================================================
@@ -754,7 +763,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one round (with --device cpu: a CPU test)")
     p.add_argument("--out-dir", default=str(LATEST))
-    p.add_argument("--case", default=None, help="comma-separated texts: only cases whose name contains one")
+    p.add_argument("--case", default=None, help="texts separated by ';': only cases whose '<name>, <train|inference>' contains one")
     p.add_argument("--budget-s", type=float, default=None,
                    help="seconds per topic; cases after it is spent become 'skipped' rows")
     p.add_argument("--readme", action="store_true", help="rewrite README.md's performance table and exit")
@@ -777,10 +786,10 @@ def main(argv=None) -> int:
     out_dir = pathlib.Path(args.out_dir)
     env = suite_environment()
     say(f"benchmark suite: {', '.join(chosen)} on {env['gpu']} ({args.device}){' smoke' if args.smoke else ''}")
-    wanted = args.case.split(",") if args.case else None
+    wanted = args.case.split(";") if args.case else None
 
     def keep(cases):
-        return [c for c in cases if wanted is None or any(w in c.name for w in wanted)]
+        return [c for c in cases if wanted is None or any(w in f"{c.name}, {c.mode}" for w in wanted)]
 
     t_start = time.perf_counter()
     for topic in chosen:
