@@ -1,6 +1,6 @@
 """Side-by-side timing: versions run interleaved (A B A B ...) in one process, medians reported.
 
-Used by `fusionpass bench` and by the scripts in benchmarks/.
+Used by `fusionpass bench` and by the benchmark suite (benchmarks/suite.py).
 """
 from __future__ import annotations
 
@@ -84,6 +84,66 @@ def kernel_time(fn: Callable[[], object], iters: int = 10) -> float:
         if e.device_type == torch.autograd.DeviceType.CUDA
     )
     return total_us / 1e3 / iters
+
+
+def floating_outputs(out) -> list[torch.Tensor]:
+    """The floating tensors of a module's output (a tensor, a tuple of them, or an HF ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in floating_outputs(o)]
+    return []
+
+
+def training_step(fn: Callable, *args, leaves=(), **kwargs) -> Callable[[], object]:
+    """One forward and backward of `fn(*args, **kwargs)`: the `loss` of an HF output, else every
+    floating output against fixed random cotangents (made on the first call, so the timed calls
+    do not draw them). `leaves` (inputs and parameters) get their .grad set to None first: assigned,
+    not accumulated, so the step has no extra add kernels."""
+    cotangents: list[torch.Tensor] = []
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = fn(*args, **kwargs)
+        loss = getattr(out, "loss", None)
+        if loss is not None:
+            loss.backward()
+            return out
+        outs = [o for o in floating_outputs(out) if o.requires_grad]
+        if not cotangents:
+            gen = torch.Generator(device=outs[0].device).manual_seed(0)
+            cotangents.extend(torch.randn(o.shape, generator=gen, device=o.device, dtype=o.dtype) for o in outs)
+        torch.autograd.backward(outs, cotangents)
+        return out
+
+    return step
+
+
+def inference_step(fn: Callable, *args, **kwargs) -> Callable[[], object]:
+    def step():
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return step
+
+
+def first_call_seconds(fn: Callable[[], object], device: str) -> float:
+    """Wall seconds of one call (the first call of a compiled step is its compile)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def warm_up_compiler(device: str) -> None:
+    """Compile something small first, so neither side's compile time pays for importing and
+    initializing Inductor and Triton."""
+    f = torch.compile(lambda t: torch.nn.functional.silu(t) * 2)
+    f(torch.randn(64, device=device))
 
 
 def environment() -> dict:

@@ -80,7 +80,7 @@ def cmd_explain(args) -> int:
 
 def cmd_bench(args) -> int:
     import fusionpass
-    from fusionpass.bench import time_interleaved
+    from fusionpass.bench import inference_step, time_interleaved, training_step
     from fusionpass.explain import fresh_compile_caches
 
     model, ids = _model_and_inputs(args)
@@ -89,21 +89,12 @@ def cmd_bench(args) -> int:
     torch._dynamo.reset()
     plain = torch.compile(model)
     fused = torch.compile(model, backend=fusionpass.backend(cpu=device == "cpu"))
-    kwargs = {"labels": ids}
-
-    def step(fn):
-        def run():
-            if args.train:
-                out = fn(ids, **kwargs)
-                loss = out if isinstance(out, torch.Tensor) else out.loss
-                loss.backward()
-            else:
-                with torch.no_grad():
-                    fn(ids)
-
-        return run
-
-    steps = {"torch.compile": step(plain), "fusionpass": step(fused)}
+    leaves = [p for p in model.parameters() if p.requires_grad]
+    if args.train:
+        steps = {name: training_step(fn, ids, labels=ids, leaves=leaves)
+                 for name, fn in (("torch.compile", plain), ("fusionpass", fused))}
+    else:
+        steps = {"torch.compile": inference_step(plain, ids), "fusionpass": inference_step(fused, ids)}
     with fresh_compile_caches():  # compile for real, so the match counts below are this model's
         for run in steps.values():
             run()
@@ -141,7 +132,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_explain)
 
-    p = sub.add_parser("bench", help="time plain torch.compile against fusionpass on a model")
+    p = sub.add_parser("bench", help="time plain torch.compile against fusionpass on a model (the full suite: benchmarks/suite.py)")
     model_args(p, 4, 512)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)

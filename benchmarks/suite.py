@@ -1,0 +1,824 @@
+"""The benchmark suite: every fusion at kernel level and HF model steps, plain torch.compile against
+fusionpass, interleaved in one process. Its output is the only place current numbers live.
+
+    python benchmarks/suite.py [--only TOPIC,...] [--device cuda|cpu] [--smoke]
+                               [--out-dir benchmarks/results/latest] [--case "TEXT;..."] [--budget-s S]
+    python benchmarks/suite.py --readme     # README.md's performance table from the latest files
+
+Topics: one per fusion (KERNEL_TOPICS), `models` (training and inference steps of HF models built
+from configs, random weights) and `compile-time` (the first step of those same model runs, plain
+against fusionpass: no extra compiles). Each writes <out-dir>/<topic>.md and <topic>.json: date,
+GPU, versions, the command, then one row per case: plain ms, fusionpass ms, plain/fusionpass,
+peak memory where it matters, the match count of the topic's fusion, and whether the default cost
+rule selects the case. A case outside the rule is timed with the rule opened through the fusion's
+settings (the row names them), to show why it is kept out. A fusionpass row whose fusion did not
+match says so, with the first near miss. An error becomes a row with its text.
+
+On the H200 the suite runs in two calls: `--only kernels` (every kernel topic) and
+`--only models,compile-time`.
+`--smoke --device cpu` runs every code path at tiny shapes (TRITON_INTERPRET=1; fusionpass with
+cpu=True), for tests/test_benchmark_suite.py.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import fusionpass
+from fusionpass.bench import (environment, first_call_seconds, inference_step, peak_memory, time_interleaved,
+                              training_step, warm_up_compiler)
+from fusionpass.passes import STATISTICS
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LATEST = ROOT / "benchmarks" / "results" / "latest"
+BF16 = torch.bfloat16
+
+# Until the `attention` fusion is split, its parts are one fusion of that name: a fusion name that
+# is not registered is looked up here (drop the entries once the split lands).
+STANDS_IN = {"sdpa_mask": "attention", "flash_attention": "attention"}
+# The opt-in setting that sends SDPA calls (windows, run-time padding) to the flash kernel.
+FLASH_SDPA_SETTING = "attention_kernel"
+
+
+def registered(name: str) -> str | None:
+    """The registered fusion that `name` is measured through, or None."""
+    names = fusionpass.FUSION_NAMES
+    if name in names:
+        return name
+    return STANDS_IN[name] if STANDS_IN.get(name) in names else None
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+# =============================================================================================
+# cases
+
+
+@dataclasses.dataclass
+class Case:
+    name: str  # the subgraph as models write it, and its shape
+    # build(device, dtype) -> (module, inputs); floating inputs are made leaves in training
+    build: Callable[[str, torch.dtype], tuple[nn.Module, tuple]]
+    train: bool
+    fusions: tuple[str, ...]  # the fusions on in the fusionpass column (names as the suite knows them)
+    selected: bool  # whether the default cost rule selects this case
+    settings: dict = dataclasses.field(default_factory=dict)  # fusionpass.backend(**settings)
+    # also time fusionpass without this fusion (what one fusion adds on top of the ones it needs)
+    without: str | None = None
+    dtype: torch.dtype = BF16
+    kwargs: dict = dataclasses.field(default_factory=dict)  # forward keyword inputs (HF models)
+
+    @property
+    def mode(self) -> str:
+        return "train" if self.train else "inference"
+
+
+def _on(device, make):
+    """make() with parameters and buffers created on `device` (no multi-GiB init on the host)."""
+    with torch.device(device):
+        return make()
+
+
+class LlamaAddRMSNorm(nn.Module):
+    """HF Llama's decoder-layer residual add followed by LlamaRMSNorm: returns (y, h)."""
+
+    def __init__(self, width, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(width))
+        self.eps = eps
+
+    def forward(self, x, residual):
+        h = residual + x
+        hf = h.to(torch.float32)
+        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * hf.to(x.dtype), h
+
+
+class BertOutput(nn.Module):
+    """BERT's output block after its dense layer: LayerNorm(dropout(x) + input_tensor)."""
+
+    def __init__(self, width, p=0.1):
+        super().__init__()
+        self.LayerNorm = nn.LayerNorm(width, eps=1e-12)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x, residual):
+        return self.LayerNorm(self.dropout(x) + residual)
+
+
+class PreLNResidual(nn.Module):
+    """GPT-2/NeoX/OPT pre-LN: h = residual + dropout(out); the next block's LayerNorm(h); h goes on."""
+
+    def __init__(self, width, p=0.1):
+        super().__init__()
+        self.ln = nn.LayerNorm(width, eps=1e-5)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x, residual):
+        h = residual + self.dropout(x)
+        return self.ln(h), h
+
+
+def rows_module(module_class, rows, width, **kw):
+    def build(device, dtype):
+        module = _on(device, lambda: module_class(width, **kw)).to(dtype)
+        x, r = (torch.randn(rows, width, device=device, dtype=dtype) for _ in range(2))
+        return module, (x, r)
+
+    return build
+
+
+def rms_norm_residual_cases(smoke):
+    rows = 8 if smoke else 16384
+    cases = [
+        Case(f"Llama add+RMSNorm {rows}x4096", rows_module(LlamaAddRMSNorm, rows, 4096), True,
+             ("rms_norm_residual",), True),
+        Case(f"Llama add+RMSNorm {rows}x4096", rows_module(LlamaAddRMSNorm, rows, 4096), False,
+             ("rms_norm_residual",), True),
+        # below rms_norm_min_width: Inductor's own fused reduction wins at narrow rows
+        Case(f"Llama add+RMSNorm {rows}x1024", rows_module(LlamaAddRMSNorm, rows, 1024), True,
+             ("rms_norm_residual",), False, {"rms_norm_min_width": 1}),
+    ]
+    return cases
+
+
+def layer_norm_dropout_residual_cases(smoke):
+    rows = 8 if smoke else 16384
+    fusion = ("layer_norm_dropout_residual",)
+    return [
+        Case(f"BERT LN(dropout(x)+r) p=0.1 {rows}x768", rows_module(BertOutput, rows, 768), True, fusion, True),
+        Case(f"GPT-2 pre-LN h=r+dropout(x); LN(h) p=0.1 {rows}x4096", rows_module(PreLNResidual, rows, 4096), True,
+             fusion, True),
+        # inference below layer_norm_inference_min_width
+        Case(f"BERT LN(x+r) {rows}x1024", rows_module(BertOutput, rows, 1024), False, fusion, False,
+             {"layer_norm_inference_min_width": 1}),
+    ]
+
+
+def lm_head_loss(tokens, width, vocab):
+    from fusionpass.conformance.cases_other import CausalLMHead, _causal_labels
+
+    def build(device, dtype):
+        head = _on(device, lambda: CausalLMHead(width, vocab)).to(dtype)
+        nn.init.normal_(head.lm_head.weight, std=2.0 * width ** -0.5)  # a trained LM's logit spread
+        labels = _causal_labels(1, tokens, vocab).to(device)
+        return head, (torch.randn(1, tokens, width, device=device, dtype=dtype), labels)
+
+    return build
+
+
+def linear_cross_entropy_cases(smoke):
+    n = 16 if smoke else 8192
+    fusion = ("linear_cross_entropy",)
+    big, small = (1000, 500) if smoke else (128256, 50257)
+    return [
+        Case(f"lm_head+CE (HF ForCausalLMLoss) N{n} D4096 V{big}", lm_head_loss(n, 64 if smoke else 4096, big),
+             True, fusion, True, {"linear_cross_entropy_min_vocab": 1} if smoke else {}),
+        # GPT-2's vocabulary, below linear_cross_entropy_min_vocab
+        Case(f"lm_head+CE (HF ForCausalLMLoss) N{n} D768 V{small}", lm_head_loss(n, 64 if smoke else 768, small),
+             True, fusion, False, {"linear_cross_entropy_min_vocab": 1}),
+    ]
+
+
+def llama_rope(b, s, hq, hkv, d):
+    from fusionpass.conformance.cases_other import LlamaRope
+
+    def build(device, dtype):
+        module = _on(device, lambda: LlamaRope(d)).to(dtype)
+        q = torch.randn(b, s, hq * d, device=device, dtype=dtype)
+        k = torch.randn(b, s, hkv * d, device=device, dtype=dtype)
+        return module, (q, k, torch.arange(s, device=device).repeat(b, 1))
+
+    return build
+
+
+def rope_cases(smoke):
+    fusion = ("rope",)
+    if smoke:
+        return [Case("HF rotate_half q/k B1 H4/2 S64 D64", llama_rope(1, 64, 4, 2, 64), True, fusion, True)]
+    return [
+        # the Llama 8L benchmark's q and k (40 MiB together)
+        Case("HF rotate_half q/k B4 H16/4 S2048 D128", llama_rope(4, 2048, 16, 4, 128), True, fusion, True),
+        # above rope_max_bytes (160 MiB of q and k)
+        Case("HF rotate_half q/k B4 H32/8 S4096 D128", llama_rope(4, 4096, 32, 8, 128), True, fusion, False,
+             {"rope_kernel": True}),
+    ]
+
+
+def attention_layers(family, shape, padding=None, **options):
+    """Two HF attention layers of `family` over the mask (and rotary, ALiBi, cache) their model
+    builds, from the conformance suite (fusionpass/conformance/cases_attention.py)."""
+    from fusionpass.conformance import cases_attention
+
+    make = cases_attention._make(family, shape, padding, **options)
+    return lambda device, dtype: make(dtype, device)
+
+
+def _attention_shapes():
+    from fusionpass.conformance.cases_attention import Shape
+
+    return Shape
+
+
+def decode_attention_cases(smoke):
+    from fusionpass.conformance.cases_attention import StaticCacheDecode
+
+    Shape = _attention_shapes()
+    fusion = ("decode_attention",)
+    shapes = [Shape(1, 4, 2, 128, 64, q=1)] if smoke else [Shape(1, 32, 8, 32768, 128, q=1),
+                                                          Shape(8, 32, 8, 8192, 128, q=1)]
+    return [Case(f"Llama static-cache decode step (sdpa) {s}", attention_layers(StaticCacheDecode, s, impl="sdpa",
+                                                                                 prompt=s.s - 1),
+                 False, fusion, True) for s in shapes]
+
+
+def sdpa_mask_cases(smoke):
+    from fusionpass.conformance.cases_attention import Bert, Llama
+
+    Shape = _attention_shapes()
+    fusion = ("sdpa_mask",)
+    llama, bert = (Shape(1, 4, 2, 64, 64), Shape(2, 4, 4, 64, 64)) if smoke else (
+        Shape(4, 16, 4, 2048, 128), Shape(32, 12, 12, 512, 64))
+    return [
+        Case(f"Llama sdpa, create_causal_mask {llama}", attention_layers(Llama, llama, impl="sdpa"), True, fusion, True),
+        Case(f"BERT sdpa, create_bidirectional_mask {bert}", attention_layers(Bert, bert), True, fusion, True),
+    ]
+
+
+def flash_attention_cases(smoke):
+    from fusionpass.conformance.cases_attention import GPT2, Bloom, Llama
+
+    Shape = _attention_shapes()
+    fusion = ("flash_attention",)
+    gpt2, bloom, llama = ((Shape(1, 2, 2, 64, 64),) * 2 + (Shape(1, 4, 2, 64, 64),)) if smoke else (
+        Shape(16, 12, 12, 1024, 64), Shape(8, 16, 16, 2048, 64), Shape(4, 16, 4, 2048, 128))
+    return [
+        Case(f"GPT-2 eager attention {gpt2}", attention_layers(GPT2, gpt2), True, fusion, True),
+        # BLOOM's training step is in attention_out_proj's cases (with and without that fusion)
+        Case(f"BLOOM eager ALiBi attention {bloom}", attention_layers(Bloom, bloom), False, fusion, True),
+        # SDPA's own (cuDNN/flash) kernel is faster for a plain causal mask: opt-in only
+        Case(f"Llama sdpa causal {llama}", attention_layers(Llama, llama, impl="sdpa"), True, fusion, False,
+             {FLASH_SDPA_SETTING: True}),
+    ]
+
+
+def rope_attention_cases(smoke):
+    from fusionpass.conformance.cases_attention import Llama
+
+    Shape = _attention_shapes()
+    shape = Shape(1, 4, 2, 64, 64) if smoke else Shape(4, 16, 4, 2048, 128)
+    fusions = ("rope", "flash_attention", "rope_attention")
+    build = attention_layers(Llama, shape, impl="eager")
+    return [
+        Case(f"Llama eager attention, rotate_half q {shape}", build, False, fusions, True, without="rope_attention"),
+        Case(f"Llama eager attention, rotate_half q {shape}", build, True, fusions, False,
+             {"rope_attention_training": True}, without="rope_attention"),
+    ]
+
+
+def attention_out_proj_cases(smoke):
+    from fusionpass.conformance.cases_attention import GPT2, Bloom
+
+    Shape = _attention_shapes()
+    gpt2, bloom = (Shape(1, 2, 2, 64, 64),) * 2 if smoke else (Shape(16, 12, 12, 1024, 64), Shape(8, 16, 16, 2048, 64))
+    fusions = ("flash_attention", "attention_out_proj")
+    return [
+        Case(f"GPT-2 eager attention + head merge + c_proj {gpt2}", attention_layers(GPT2, gpt2), True, fusions, True,
+             without="attention_out_proj"),
+        Case(f"BLOOM attention + _merge_heads + dense {bloom}", attention_layers(Bloom, bloom), True, fusions, True,
+             without="attention_out_proj"),
+    ]
+
+
+def llama_mlp(rows, hidden, inter):
+    from fusionpass.conformance.cases_other import GatedMLP
+
+    def build(device, dtype):
+        module = _on(device, lambda: GatedMLP(hidden, inter, nn.SiLU())).to(dtype)
+        return module, (torch.randn(rows, hidden, device=device, dtype=dtype),)
+
+    return build
+
+
+def swiglu_mlp_cases(smoke):
+    fusion = ("swiglu_mlp",)
+    k, n = (64, 128) if smoke else (4096, 14336)
+    prefill = 16 if smoke else 8192
+    return [
+        Case(f"Llama SwiGLU MLP M1 K{k} N{n}", llama_mlp(1, k, n), False, fusion, True),
+        Case(f"Llama SwiGLU MLP M16 K{k} N{n}", llama_mlp(16, k, n), False, fusion, True),
+        # prefill and training: cuBLAS GEMMs + Inductor's act*mul are as fast
+        Case(f"Llama SwiGLU MLP M{prefill} K{k} N{n}", llama_mlp(prefill, k, n), True, fusion, False,
+             {"swiglu_mlp_kernel": True}),
+    ]
+
+
+KERNEL_TOPICS = {
+    "rms_norm_residual": rms_norm_residual_cases,
+    "layer_norm_dropout_residual": layer_norm_dropout_residual_cases,
+    "linear_cross_entropy": linear_cross_entropy_cases,
+    "rope": rope_cases,
+    "decode_attention": decode_attention_cases,
+    "sdpa_mask": sdpa_mask_cases,
+    "flash_attention": flash_attention_cases,
+    "rope_attention": rope_attention_cases,
+    "attention_out_proj": attention_out_proj_cases,
+    "swiglu_mlp": swiglu_mlp_cases,
+}
+
+
+# =============================================================================================
+# HF models (random weights, from configs)
+
+
+def hf_model(config_name, model_class, attn, smoke, **config):
+    def build(device, dtype):
+        import transformers
+
+        if smoke:  # one narrow layer of the same family
+            config.update(SMOKE_CONFIG.get(config_name, {}))
+        cfg = getattr(transformers, config_name)(**config)
+        cfg._attn_implementation = attn
+        torch.manual_seed(0)
+        model = _on(device, lambda: getattr(transformers, model_class).from_config(cfg)).to(dtype)
+        if model_class == "AutoModelForCausalLM":
+            model.loss_type = "ForCausalLM"  # GPT-2's default loss otherwise lands in a second graph
+        return model, ()
+
+    return build
+
+
+SMOKE_CONFIG = {
+    "LlamaConfig": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=64, vocab_size=256),
+    "GPT2Config": dict(n_embd=128, n_layer=1, n_head=2, vocab_size=256),
+    "BertConfig": dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=256,
+                       vocab_size=256),
+    "BloomConfig": dict(hidden_size=128, n_layer=1, n_head=2, vocab_size=256),
+    "FalconConfig": dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, vocab_size=256),
+}
+
+
+@dataclasses.dataclass
+class ModelCase:
+    name: str
+    build: Callable
+    train: bool
+    batch: int
+    seq: int
+    all_ones_mask: bool = False
+
+    @property
+    def mode(self) -> str:
+        return "train" if self.train else "inference"
+
+
+def model_cases(smoke):
+    """About six model steps of the baseline survey's families (docs/architecture.md). Layer counts
+    are cut where a full model's two compiles (tens of seconds each on the H200) would not fit
+    the topic in one device call: the shapes per layer are the models' own."""
+    def llama(layers):
+        return dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers, num_attention_heads=16,
+                    num_key_value_heads=4, head_dim=128, vocab_size=32000, max_position_embeddings=8192)
+
+    causal_lm, mlm = "AutoModelForCausalLM", "AutoModelForMaskedLM"
+    alibi = dict(hidden_size=1024)
+    falcon = dict(alibi, num_hidden_layers=4, num_attention_heads=16, alibi=True, new_decoder_architecture=False,
+                  multi_query=False, parallel_attn=False, bias=True)
+
+    def shape(batch, seq):
+        return (1, 16) if smoke else (batch, seq)
+
+    return [
+        ModelCase("HF Llama 8L h2048 GQA 16/4", hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama(8)),
+                  True, *shape(4, 2048)),
+        ModelCase("HF Llama 8L h2048 GQA 16/4", hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama(8)),
+                  False, *shape(4, 2048)),
+        ModelCase("HF Llama 4L h2048 GQA 16/4, all-ones attention_mask",
+                  hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama(4)), True, *shape(4, 2048), True),
+        ModelCase("GPT-2 small widths 6L, eager attention",
+                  hf_model("GPT2Config", causal_lm, "eager", smoke, n_layer=6), True, *shape(16, 1024)),
+        ModelCase("BERT-base MLM widths 6L, sdpa", hf_model("BertConfig", mlm, "sdpa", smoke, num_hidden_layers=6),
+                  True, *shape(32, 512)),
+        ModelCase("BLOOM-style 4L h1024 16 heads, ALiBi (eager attention)",
+                  hf_model("BloomConfig", causal_lm, "eager", smoke, **alibi, n_layer=4, n_head=16),
+                  True, *shape(8, 2048)),
+        ModelCase("Falcon-ALiBi 4L h1024 16 heads (sdpa, ALiBi in the mask)",
+                  hf_model("FalconConfig", causal_lm, "sdpa", smoke, **falcon), False, *shape(8, 2048)),
+    ]
+
+
+# =============================================================================================
+# measuring
+
+
+@dataclasses.dataclass
+class Run:
+    device: str
+    smoke: bool
+
+    @property
+    def timing(self) -> dict:
+        return dict(rounds=1, iters=1, warmup=0) if self.smoke else dict(rounds=5, iters=10, warmup=2)
+
+    @property
+    def model_timing(self) -> dict:
+        return dict(rounds=1, iters=1, warmup=0) if self.smoke else dict(rounds=3, iters=3, warmup=1)
+
+    def backend(self, fusions, settings):
+        return fusionpass.backend(fusions=fusions, cpu=self.device == "cpu", **settings)
+
+
+def _leaves(module, inputs, train):
+    """Inputs as they enter a step: floating ones become leaves in training."""
+    out = []
+    for t in inputs:
+        if train and isinstance(t, torch.Tensor) and t.is_floating_point():
+            t = t.detach().requires_grad_()
+        out.append(t)
+    return out
+
+
+def _step(fn, inputs, train, leaves, kwargs):
+    return (training_step(fn, *inputs, leaves=leaves, **kwargs) if train else inference_step(fn, *inputs, **kwargs))
+
+
+def _near_miss(fusion):
+    misses = [reason for f, _, reason in STATISTICS.near_misses if f == fusion]
+    return misses[0] if misses else "no anchor found"
+
+
+def measure(run: Run, order: int, case_name, module, inputs, kwargs, train, fusions, settings, without, timing):
+    """Time plain torch.compile, fusionpass (and fusionpass without one fusion) side by side.
+    `order` alternates which side compiles first, so neither always pays the process's colder
+    first compile."""
+    wanted = [registered(f) for f in fusions]
+    missing = [f for f, r in zip(fusions, wanted) if r is None]
+    if missing:
+        raise LookupError(f"fusion(s) {missing} not registered here")
+    on = sorted(set(wanted))
+    copies = {"plain": module}
+    copies["fusionpass"] = copy.deepcopy(module)
+    backends = {"plain": "inductor", "fusionpass": run.backend(on, settings)}
+    if without:
+        copies["without"] = copy.deepcopy(module)
+        backends["without"] = run.backend(sorted(set(on) - {registered(without)}), settings)
+    torch._dynamo.reset()
+    steps = {}
+    for name, m in copies.items():
+        m.train(train)
+        ins = _leaves(m, inputs, train)
+        leaves = [t for t in ins if isinstance(t, torch.Tensor) and t.requires_grad] + list(m.parameters())
+        compiled = torch.compile(m, backend=backends[name], dynamic=False)
+        steps[name] = _step(compiled, ins, train, leaves if train else (), kwargs)
+    first_s, matched, variants, pass_s, note = {}, {}, {}, 0.0, ""
+    sides = ["plain", "fusionpass"] if order % 2 == 0 else ["fusionpass", "plain"]
+    for name in sides + (["without"] if without else []):
+        fusionpass.reset_stats()
+        first_s[name] = first_call_seconds(steps[name], run.device)
+        if name == "fusionpass":
+            matched = fusionpass.stats()
+            variants = {f"{f}/{v}": n for (f, v), n in sorted(fusionpass.stats(variants=True).items())}
+            pass_s = sum(STATISTICS.seconds.values())
+            unmatched = [f for f, r in zip(fusions, wanted) if not matched.get(r)]
+            if unmatched:
+                note = "; ".join(f"NOT MATCHED {f}: {_near_miss(registered(f))}" for f in unmatched)
+    say(f"    compiled ({', '.join(f'{k} {v:.1f} s' for k, v in first_s.items())}); matches {matched}")
+    ms = time_interleaved(steps, run.device, **timing)
+    row = {
+        "plain_ms": round(ms["plain"], 4), "fusionpass_ms": round(ms["fusionpass"], 4),
+        "ratio": round(ms["plain"] / ms["fusionpass"], 3),
+        "matched": {f: matched.get(registered(f), 0) for f in fusions},
+        # by variant: which route matched (a stand-in fusion's count alone would not say)
+        "variants": variants,
+        "note": note,
+        "first_call_s": {k: round(v, 2) for k, v in first_s.items()}, "compiled_first": sides[0],
+        "pass_s": round(pass_s, 3),
+    }
+    if without:
+        row["without"] = without
+        row["without_ms"] = round(ms["without"], 4)
+        row["ratio_to_without"] = round(ms["without"] / ms["fusionpass"], 3)
+    if run.device == "cuda":
+        row["plain_peak_mib"] = round(peak_memory(steps["plain"]) / 2**20, 1)
+        row["fusionpass_peak_mib"] = round(peak_memory(steps["fusionpass"]) / 2**20, 1)
+    return row
+
+
+def guarded(fn, head: dict) -> dict:
+    """fn() -> the row's measurements; an error becomes the row's text and the suite goes on."""
+    t0 = time.perf_counter()
+    try:
+        row = {**head, **fn()}
+    except Exception as e:  # noqa: BLE001 (every case: the suite must go on)
+        traceback.print_exc()
+        row = {**head, "error": f"{type(e).__name__}: {e}"[:500]}
+    finally:
+        torch._dynamo.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    row["case_s"] = round(time.perf_counter() - t0, 1)
+    say(f"    -> {_summary(row)}")
+    return row
+
+
+def _summary(row):
+    if "error" in row:
+        return f"ERROR {row['error'][:200]}"
+    if "skipped" in row:
+        return f"skipped: {row['skipped']}"
+    return f"plain {row['plain_ms']} ms, fusionpass {row['fusionpass_ms']} ms ({row['ratio']}x) {row.get('note', '')}"
+
+
+def _rule(case) -> str:
+    if case.selected:
+        return "selects" + (f" (with {_settings(case.settings)})" if case.settings else "")
+    return f"keeps out (timed with {_settings(case.settings)})"
+
+
+def _settings(settings) -> str:
+    return ", ".join(f"{k}={v}" for k, v in settings.items())
+
+
+def kernel_topic(run: Run, topic: str, cases: list[Case], budget_s: float | None) -> list[dict]:
+    rows, t0 = [], time.perf_counter()
+    for i, case in enumerate(cases):
+        dtype = torch.float32 if run.device == "cpu" else case.dtype
+        head = {"case": case.name, "mode": case.mode, "dtype": str(dtype).removeprefix("torch."),
+                "fusions": list(case.fusions), "default_rule": _rule(case)}
+        say(f"  [{topic} {i + 1}/{len(cases)}] {case.name}, {case.mode}")
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            rows.append({**head, "skipped": f"the topic's budget of {budget_s:.0f} s was spent"})
+            say(f"    -> {_summary(rows[-1])}")
+            continue
+
+        def one(case=case, dtype=dtype, i=i):
+            torch.manual_seed(0)
+            module, inputs = case.build(run.device, dtype)
+            return measure(run, i, case.name, module, inputs, case.kwargs, case.train, case.fusions,
+                           case.settings, case.without, run.timing)
+
+        rows.append(guarded(one, head))
+    return rows
+
+
+def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None) -> list[dict]:
+    """Every fusion on (the default config), plain against fusionpass, one row per model step."""
+    rows, t0 = [], time.perf_counter()
+    warm_up_compiler(run.device)
+    dtype = torch.float32 if run.device == "cpu" else BF16
+    every = tuple(fusionpass.FUSION_NAMES)
+    for i, case in enumerate(cases):
+        name = f"{case.name} B{case.batch} S{case.seq}" + (" (smoke: one narrow layer)" if run.smoke else "")
+        head = {"case": name, "mode": case.mode,
+                "dtype": str(dtype).removeprefix("torch."), "fusions": ["every fusion (default settings)"],
+                "default_rule": "selects"}
+        say(f"  [models {i + 1}/{len(cases)}] {head['case']}, {case.mode}")
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            rows.append({**head, "skipped": f"the topic's budget of {budget_s:.0f} s was spent"})
+            say(f"    -> {_summary(rows[-1])}")
+            continue
+
+        def one(case=case, i=i):
+            model, _ = case.build(run.device, dtype)
+            ids = torch.randint(0, model.config.vocab_size, (case.batch, case.seq), device=run.device)
+            kwargs = {"labels": ids} if case.train else {}
+            if case.all_ones_mask:
+                kwargs["attention_mask"] = torch.ones_like(ids)
+            row = measure(run, i, case.name, model, (ids,), kwargs, case.train, every, {}, None, run.model_timing)
+            # every fusion is on; which ones matched is the model's business, not a failure
+            row["matched"] = {f: n for f, n in row["matched"].items() if n}
+            row.pop("variants")
+            row["note"] = ""
+            row["tokens_per_s"] = round(case.batch * case.seq / row["fusionpass_ms"] * 1e3)
+            return row
+
+        rows.append(guarded(one, head))
+    return rows
+
+
+def compile_time_rows(model_rows_: list[dict]) -> list[dict]:
+    """The first step of each model run above: compile plus one step, caches off."""
+    rows = []
+    for r in model_rows_:
+        if "first_call_s" not in r:
+            rows.append({k: r[k] for k in ("case", "mode", "dtype") if k in r}
+                        | {"error": r.get("error") or r.get("skipped", "not measured")})
+            continue
+        plain, fused = r["first_call_s"]["plain"], r["first_call_s"]["fusionpass"]
+        rows.append({"case": r["case"], "mode": r["mode"], "dtype": r["dtype"], "plain_s": plain,
+                     "fusionpass_s": fused, "added": round(fused / plain - 1, 3), "pass_s": r["pass_s"],
+                     "compiled_first": r["compiled_first"]})
+    return rows
+
+
+# =============================================================================================
+# output
+
+
+KERNEL_COLUMNS = [("case", "case"), ("mode", "mode"), ("dtype", "dtype"), ("plain_ms", "plain torch.compile ms"),
+                  ("fusionpass_ms", "fusionpass ms"), ("ratio", "plain / fusionpass"),
+                  ("without_ms", "fusionpass without the fusion ms"), ("ratio_to_without", "without / with"),
+                  ("plain_peak_mib", "plain peak MiB"), ("fusionpass_peak_mib", "fusionpass peak MiB"),
+                  ("matched", "matched"), ("variants", "matched variants"), ("default_rule", "default cost rule"), ("first_call_s", "first call s"),
+                  ("note", "note")]
+MODEL_COLUMNS = [c for c in KERNEL_COLUMNS if c[0] not in ("without_ms", "ratio_to_without", "default_rule",
+                                                               "first_call_s")]
+MODEL_COLUMNS.insert(6, ("tokens_per_s", "fusionpass tokens/s"))
+COMPILE_COLUMNS = [("case", "model"), ("mode", "mode"), ("plain_s", "plain first step s"),
+                   ("fusionpass_s", "fusionpass first step s"), ("added", "added (fusionpass / plain - 1)"),
+                   ("pass_s", "fusionpass's own pass s"), ("compiled_first", "compiled first")]
+
+
+def _cell(value) -> str:
+    if value is None or value == "":
+        return ""
+    if isinstance(value, dict):
+        value = ", ".join(f"{k} {v}" for k, v in value.items())
+    return str(value).replace("|", "\\|")
+
+
+def markdown_table(rows: list[dict], columns) -> list[str]:
+    used = [(key, title) for key, title in columns if any(r.get(key) not in (None, "") for r in rows)]
+    lines = ["| " + " | ".join(t for _, t in used) + " |", "|" + "---|" * len(used)]
+    for r in rows:
+        if "error" in r or "skipped" in r:
+            cells = [_cell(r.get(k)) for k, _ in used[:3]]
+            text = f"ERROR: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
+            lines.append("| " + " | ".join(cells + [_cell(text)] + [""] * (len(used) - 4)) + " |")
+        else:
+            lines.append("| " + " | ".join(_cell(r.get(k)) for k, _ in used) + " |")
+    return lines
+
+
+def suite_environment() -> dict:
+    import transformers
+
+    env = environment()
+    env["transformers"] = transformers.__version__
+    env["fusionpass source digest"] = fusionpass.passes.source_digest()
+    return env
+
+
+TITLES = {"models": "model steps (every fusion, default settings)",
+          "compile-time": "first-step compile time of the model steps (plain torch.compile against fusionpass)"}
+
+
+def write_topic(out_dir: pathlib.Path, topic: str, env: dict, rows: list[dict], columns, extra=()) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{topic}.json").write_text(json.dumps({"topic": topic, "environment": env, "rows": rows}, indent=1) + "\n")
+    lines = [f"# {topic}: {TITLES.get(topic, 'kernel-level cases, plain torch.compile against fusionpass')}", ""]
+    lines += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()]
+    lines += ["", *markdown_table(rows, columns), "", *extra,
+              "Generated by benchmarks/suite.py; timed interleaved in one process (medians), compile caches off. "
+              "plain / fusionpass > 1 means fusionpass is faster.", ""]
+    (out_dir / f"{topic}.md").write_text("\n".join(lines))
+    say(f"  wrote {out_dir / topic}.md and .json")
+
+
+def compile_time_summary(rows) -> list[str]:
+    added = [r["added"] for r in rows if "added" in r]
+    if not added:
+        return ["No model step was measured.", ""]
+    # The side compiled second reuses what the first compiled in this process (Triton's kernel
+    # cache, Inductor's loaded modules), so each order is summarized alone, and the order-free
+    # figure is the mean of the two (the rows alternate which side goes first).
+    by_order = {side: [r["added"] for r in rows if r.get("compiled_first") == side] for side in ("plain", "fusionpass")}
+    if not all(by_order.values()):
+        return [f"Median added first-step time: {statistics.median(added):+.1%} (one compile order only: "
+                "biased by the order).", ""]
+    plain_first, fused_first = (statistics.median(by_order[s]) for s in ("plain", "fusionpass"))
+    both = (plain_first + fused_first) / 2
+    return [f"Added first-step time, median over rows with plain compiled first: {plain_first:+.1%}; with "
+            f"fusionpass first: {fused_first:+.1%}; their mean, the order-free estimate: {both:+.1%} "
+            f"(the bar, at most +10%: {'met' if both <= 0.10 else 'NOT met'} on these models).", ""]
+
+
+# =============================================================================================
+# the README's table
+
+README_BEGIN = "<!-- performance table: generated by `python benchmarks/suite.py --readme` from benchmarks/results/latest -->"
+README_END = "<!-- end of performance table -->"
+README_TOPICS = (*KERNEL_TOPICS, "models")
+
+
+def readme_section(latest: pathlib.Path = LATEST) -> str:
+    topics = {p.stem: json.loads(p.read_text()) for p in sorted(latest.glob("*.json"))}
+    envs = {(t["environment"]["gpu"], t["environment"]["torch"], t["environment"]["triton"],
+             t["environment"].get("transformers")) for t in topics.values()}
+    dates = sorted({t["environment"]["date"] for t in topics.values()})
+    lines = [README_BEGIN, ""]
+    if not topics:
+        return "\n".join(lines + ["No results yet: `python benchmarks/suite.py` on a GPU writes them.", "", README_END])
+    for gpu, torch_v, triton_v, tf_v in sorted(envs, key=str):
+        lines.append(f"Measured on {gpu} (torch {torch_v}, triton {triton_v}, transformers {tf_v}), "
+                     f"{', '.join(dates)}; per-topic tables with commands: `benchmarks/results/latest/<topic>.md`.")
+    lines += ["", "| topic | case | mode | plain torch.compile ms | fusionpass ms | plain / fusionpass | "
+              "peak MiB plain → fusionpass | matched | default cost rule |", "|---|---|---|---|---|---|---|---|---|"]
+    for topic in README_TOPICS:
+        for r in topics.get(topic, {}).get("rows", []):
+            if "error" in r or "skipped" in r:
+                status = "error" if "error" in r else "skipped"
+                lines.append(f"| {topic} | {_cell(r['case'])} | {r['mode']} | {status} (see latest/{topic}.md) "
+                             "| | | | | |")
+                continue
+            mem = (f"{r['plain_peak_mib']} → {r['fusionpass_peak_mib']}" if "plain_peak_mib" in r else "")
+            matched = _cell(r["matched"]) + (" (NOT MATCHED)" if r.get("note") else "")
+            lines.append(f"| {topic} | {_cell(r['case'])} | {r['mode']} | {r['plain_ms']} | {r['fusionpass_ms']} | "
+                         f"{r['ratio']}× | {mem} | {matched} | {_cell(r.get('default_rule', ''))} |")
+    if "compile-time" in topics:
+        lines += ["", "First-step compile time of the model steps above (`latest/compile-time.md`): "
+                  + compile_time_summary(topics["compile-time"]["rows"])[0]]
+    lines += ["", README_END]
+    return "\n".join(lines)
+
+
+def rewrite_readme(readme: pathlib.Path = ROOT / "README.md") -> None:
+    text = readme.read_text()
+    begin, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    readme.write_text(text[:begin] + readme_section() + text[end:])
+    say(f"rewrote the performance table of {readme}")
+
+
+# =============================================================================================
+
+
+def main(argv=None) -> int:
+    topics = [*KERNEL_TOPICS, "models", "compile-time"]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=None, help="comma-separated topics (kernels: every kernel topic): " + ", ".join(topics))
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, one round (with --device cpu: a CPU test)")
+    p.add_argument("--out-dir", default=str(LATEST))
+    p.add_argument("--case", default=None, help="texts separated by ';': only cases whose '<name>, <train|inference>' contains one")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds per topic; cases after it is spent become 'skipped' rows")
+    p.add_argument("--readme", action="store_true", help="rewrite README.md's performance table and exit")
+    args = p.parse_args(argv)
+    if args.readme:
+        rewrite_readme()
+        return 0
+    chosen = args.only.split(",") if args.only else topics
+    if "kernels" in chosen:  # every kernel topic: the first of the two GPU calls
+        chosen = [t for t in chosen if t != "kernels"] + list(KERNEL_TOPICS)
+    unknown = set(chosen) - set(topics)
+    if unknown:
+        p.error(f"unknown topic(s) {sorted(unknown)}")
+    # The pass runs only when Inductor compiles: a cache hit would time the cached code and match nothing.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device (use --device cpu --smoke for a CPU run)")
+    run = Run(args.device, args.smoke)
+    out_dir = pathlib.Path(args.out_dir)
+    env = suite_environment()
+    say(f"benchmark suite: {', '.join(chosen)} on {env['gpu']} ({args.device}){' smoke' if args.smoke else ''}")
+    wanted = args.case.split(";") if args.case else None
+
+    def keep(cases):
+        return [c for c in cases if wanted is None or any(w in f"{c.name}, {c.mode}" for w in wanted)]
+
+    t_start = time.perf_counter()
+    for topic in chosen:
+        if topic not in KERNEL_TOPICS:
+            continue
+        t0 = time.perf_counter()
+        say(f"topic {topic}")
+        cases = keep(KERNEL_TOPICS[topic](args.smoke))
+        if registered(topic) is None and topic in STANDS_IN:
+            say(f"  note: {topic} is not registered; measured through {STANDS_IN[topic]}")
+        rows = kernel_topic(run, topic, cases, args.budget_s)
+        write_topic(out_dir, topic, {**env, "seconds": round(time.perf_counter() - t0)}, rows, KERNEL_COLUMNS)
+    if "models" in chosen or "compile-time" in chosen:
+        t0 = time.perf_counter()
+        say("topic models" + (" (for compile-time)" if "models" not in chosen else ""))
+        rows = model_rows(run, keep(model_cases(args.smoke)), args.budget_s)
+        env_models = {**env, "seconds": round(time.perf_counter() - t0)}
+        if "models" in chosen:
+            write_topic(out_dir, "models", env_models, rows, MODEL_COLUMNS)
+        if "compile-time" in chosen:
+            ct = compile_time_rows(rows)
+            write_topic(out_dir, "compile-time", env_models, ct, COMPILE_COLUMNS,
+                        extra=[*compile_time_summary(ct),
+                               "Each first step is compile plus one step with the FX graph and AOT autograd caches "
+                               "off, after a small warm-up compile; the side compiled first alternates by row. "
+                               "fusionpass's own pass is its pattern matching, guards and rewrites.", ""])
+    say(f"done in {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

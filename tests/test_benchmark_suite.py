@@ -1,0 +1,84 @@
+"""The benchmark suite (benchmarks/suite.py): a CPU smoke run of some of its topics writes tables
+with their header and rows, and README.md's performance table is what the suite generates from the
+committed benchmarks/results/latest files."""
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HEADER = ("date", "gpu", "torch", "triton", "transformers", "command")
+
+
+def _suite():
+    # benchmarks/ is no package: load the script as a module (registered, as dataclasses need)
+    if "benchmark_suite" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("benchmark_suite", ROOT / "benchmarks" / "suite.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["benchmark_suite"]
+
+
+def test_smoke_run_writes_each_topic(tmp_path):
+    # A kernel case, one through HF attention layers, and one model step (which also makes the
+    # compile-time topic): each kind of code path, in a subprocess as the GPU runs it, at the
+    # cheapest cases (the whole smoke takes minutes on two cores).
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "suite.py"), "--smoke", "--device", "cpu",
+           "--only", "rms_norm_residual,sdpa_mask,models,compile-time", "--out-dir", str(tmp_path),
+           "--case", "8x4096, train;Llama sdpa;GQA 16/4, inference"]
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    expected_rows = {"rms_norm_residual": 1, "sdpa_mask": 1, "models": 1, "compile-time": 1}
+    for topic, n in expected_rows.items():
+        data = json.loads((tmp_path / f"{topic}.json").read_text())
+        md = (tmp_path / f"{topic}.md").read_text()
+        for key in HEADER:
+            assert data["environment"][key], (topic, key)
+            assert f"- {key}: " in md, (topic, key)
+        assert "--smoke" in data["environment"]["command"]
+        rows = data["rows"]
+        assert len(rows) == n, (topic, rows)
+        for row in rows:
+            assert "error" not in row and "skipped" not in row, (topic, row)
+            assert row["case"] in md
+            if topic == "compile-time":
+                assert row["plain_s"] > 0 and row["fusionpass_s"] > 0
+                continue
+            assert row["plain_ms"] > 0 and row["fusionpass_ms"] > 0
+            if topic != "models":  # a kernel case's fusion must match, or the row says it did not
+                assert all(row["matched"].values()) and not row["note"], row
+
+
+def test_an_error_becomes_a_row():
+    suite = _suite()
+
+    def broken():
+        raise RuntimeError("no such kernel")
+
+    row = suite.guarded(broken, {"case": "x", "mode": "train"})
+    assert row["error"] == "RuntimeError: no such kernel"
+    assert "ERROR: RuntimeError: no such kernel" in "\n".join(suite.markdown_table([row], suite.KERNEL_COLUMNS))
+
+
+def test_an_unregistered_fusion_is_skipped_or_stood_in_for():
+    suite = _suite()
+    assert suite.registered("rms_norm_residual") == "rms_norm_residual"
+    assert suite.registered("no_such_fusion") is None
+    for name in ("sdpa_mask", "flash_attention"):
+        assert suite.registered(name) is not None
+
+
+def test_readme_table_is_generated_from_the_latest_results():
+    suite = _suite()
+    if not any(suite.LATEST.glob("*.json")):
+        pytest.skip("benchmarks/results/latest/ has no results yet")
+    text = (ROOT / "README.md").read_text()
+    begin, end = text.index(suite.README_BEGIN), text.index(suite.README_END) + len(suite.README_END)
+    assert text[begin:end] == suite.readme_section(), (
+        "README.md's performance table is out of date: python benchmarks/suite.py --readme")
