@@ -44,19 +44,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LATEST = ROOT / "benchmarks" / "results" / "latest"
 BF16 = torch.bfloat16
 
-# Until the `attention` fusion is split, its parts are one fusion of that name: a fusion name that
-# is not registered is looked up here (drop the entries once the split lands).
-STANDS_IN = {"sdpa_mask": "attention", "flash_attention": "attention"}
 # The opt-in setting that sends SDPA calls (windows, run-time padding) to the flash kernel.
 FLASH_SDPA_SETTING = "attention_kernel"
 
 
 def registered(name: str) -> str | None:
-    """The registered fusion that `name` is measured through, or None."""
-    names = fusionpass.FUSION_NAMES
-    if name in names:
-        return name
-    return STANDS_IN[name] if STANDS_IN.get(name) in names else None
+    """`name` where it is a registered fusion, else None (the case is skipped with a note)."""
+    return name if name in fusionpass.FUSION_NAMES else None
 
 
 def say(*parts) -> None:
@@ -798,8 +792,6 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         say(f"topic {topic}")
         cases = keep(KERNEL_TOPICS[topic](args.smoke))
-        if registered(topic) is None and topic in STANDS_IN:
-            say(f"  note: {topic} is not registered; measured through {STANDS_IN[topic]}")
         rows = kernel_topic(run, topic, cases, args.budget_s)
         write_topic(out_dir, topic, {**env, "seconds": round(time.perf_counter() - t0)}, rows, KERNEL_COLUMNS)
     if "models" in chosen or "compile-time" in chosen:

@@ -66,7 +66,7 @@ def test_an_error_becomes_a_row():
     assert "ERROR: RuntimeError: no such kernel" in "\n".join(suite.markdown_table([row], suite.KERNEL_COLUMNS))
 
 
-def test_an_unregistered_fusion_is_skipped_or_stood_in_for():
+def test_an_unregistered_fusion_is_skipped():
     suite = _suite()
     assert suite.registered("rms_norm_residual") == "rms_norm_residual"
     assert suite.registered("no_such_fusion") is None
