@@ -32,12 +32,12 @@ def _value(bound: Bound, cfg) -> int | None:
     return bound
 
 
-def _span(lo, hi) -> str:
+def _span(lo, hi, show=str) -> str:
     if lo is None:
-        return f"at most {hi}"
+        return f"at most {show(hi)}"
     if hi is None:
-        return f"at least {lo}"
-    return f"{lo}..{hi}"
+        return f"at least {show(lo)}"
+    return f"{show(lo)}..{show(hi)}"
 
 
 def _names(bounds) -> str:
@@ -53,6 +53,21 @@ class Range:
     what: str  # the quantity, e.g. "row width", "rows"
     training: tuple[Bound, Bound] | None = (None, None)
     inference: tuple[Bound, Bound] | None = (None, None)
+    unit: str = ""  # values are shown divided by `scale`, in `unit` (e.g. 2**20, "MiB")
+    scale: int = 1
+
+    @classmethod
+    def always(cls, what: str, lo: Bound = None, hi: Bound = None, **kw) -> Range:
+        """The same bounds in every mode (its reasons and description name no mode)."""
+        return cls(what, (lo, hi), (lo, hi), **kw)
+
+    def _show(self, value) -> str:
+        if self.scale == 1:
+            return f"{value}{' ' + self.unit if self.unit else ''}"
+        return f"{value / self.scale:.3g} {self.unit}"
+
+    def _modal(self) -> bool:
+        return self.training != self.inference
 
     def bounds(self, mode: str, cfg=None) -> tuple[int | None, int | None] | None:
         declared = getattr(self, mode)
@@ -64,19 +79,25 @@ class Range:
         if bounds is None:
             return f"not selected in {mode}"
         lo, hi = bounds
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            return f"{self.what} {value} outside {_span(lo, hi)} in {mode}"
+        where = f" in {mode}" if self._modal() else ""
+        if lo is not None and hi is not None and not lo <= value <= hi:
+            return f"{self.what} {self._show(value)} outside {_span(lo, hi, self._show)}{where}"
+        if lo is not None and value < lo:
+            return f"{self.what} {self._show(value)} < {self._show(lo)}{where}"
+        if hi is not None and value > hi:
+            return f"{self.what} {self._show(value)} > {self._show(hi)}{where}"
         return None
 
     def describe(self, cfg=None) -> str:
         """The rule in words, with the defaults (or `cfg`'s values) and the settings holding them."""
         parts = []
-        for m in MODES:
+        for m in MODES if self._modal() else MODES[:1]:
             declared = getattr(self, m)
             if declared is None:
                 parts.append(f"not in {m}")
             elif declared != (None, None):
-                parts.append(f"{_span(*self.bounds(m, cfg))}{_names(declared)} in {m}")
+                where = f" in {m}" if self._modal() else ""
+                parts.append(f"{_span(*self.bounds(m, cfg), self._show)}{_names(declared)}{where}")
         return f"{self.what} {', '.join(parts)}" if parts else ""
 
 
@@ -99,7 +120,7 @@ class Excluded:
 
     def describe(self, cfg=None) -> str:
         lo, hi = _value(self.lo, cfg), _value(self.hi, cfg)
-        return f"not {self.what} {lo}..{hi}{_names((self.lo, self.hi))} in {' or '.join(self.modes)} ({self.why})"
+        return f"{self.what} not {lo}..{hi}{_names((self.lo, self.hi))} in {' or '.join(self.modes)} ({self.why})"
 
 
 @dataclasses.dataclass(frozen=True)
