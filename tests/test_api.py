@@ -478,7 +478,9 @@ def test_cli_list_json(capsys):
     assert {r["status"] for r in rows} <= {"available", "not implemented yet"}
     (rms,) = [r for r in rows if r["fusion"] == FUSION]
     assert rms["status"] == "available"
-    assert rms["variants"] == ["llama", "gemma", "weight_in_fp32", "no_weight"]
+    # the names stats() counts matches under (each form with and without the residual add)
+    assert rms["variants"] == [f"{form}{suffix}" for form in ("llama", "gemma", "weight_in_fp32", "no_weight")
+                               for suffix in ("", "_no_residual")]
     assert rms["guards"] == ["device", "dtype", "weight_shape", "width", "strides", "intermediates"]
     assert rms["matches"] and rms["selected_when"]
 
