@@ -44,7 +44,7 @@ def cmd_list(args) -> int:
                 "status": "available",
                 "matches": fusion.matches,
                 "variants": [v.name for v in fusion.variants],
-                "selected_when": fusion.selected_when,
+                "selected_when": fusion.selection(),
                 "guards": [gd.name for gd in fusion.guards],
                 "after": list(fusion.after),
                 "settings": [{"name": s.name, "env": s.env, "default": s.default, "doc": s.doc}

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 
 _TRUE = ("1", "true", "on", "yes")
 
@@ -50,17 +51,25 @@ class Setting:
         return f"FUSIONPASS_{self.fusion.upper()}_{self.option.upper()}"
 
 
-def settings() -> dict[str, Setting]:
-    """Every fusion's settings, by Config keyword, in run order."""
+_SETTINGS: list = []  # [(registry.version(), settings)]: derived once per set of declarations
+
+
+def settings() -> Mapping[str, Setting]:
+    """Every fusion's settings, by Config keyword, in run order (read-only; derived again only
+    after a fusion is registered or unregistered)."""
     from fusionpass import registry
 
+    version = registry.version()
+    if _SETTINGS and _SETTINGS[0][0] == version:
+        return _SETTINGS[0][1]
     out = {}
     for name, fusion in registry.registered().items():
         for key, field in fusion.settings().items():
             if key in out or key in ("fusions", "cpu"):
                 raise ValueError(f"setting {key!r} of {name} is declared twice")
             out[key] = Setting(key, name, field.name, field.default, field.metadata.get("doc", ""))
-    return out
+    _SETTINGS[:] = [(version, MappingProxyType(out))]
+    return _SETTINGS[0][1]
 
 
 class Config:
@@ -126,7 +135,8 @@ class Config:
         return (_from_fields, (self._fields(),))
 
     def __repr__(self):
-        changed = {k: v for k, v in self._values if v != settings()[k].default}
+        known = settings()
+        changed = {k: v for k, v in self._values if k in known and v != known[k].default}
         return f"Config(fusions={sorted(self.fusions)}, cpu={self.cpu}" + "".join(
             f", {k}={v!r}" for k, v in changed.items()) + ")"
 

@@ -29,8 +29,7 @@ def settings_by_fusion() -> dict[str, list]:
 def fusions_table() -> str:
     from fusionpass.registry import registered
 
-    rows = [(f"[`{name}`](docs/fusions.md#{name})", f.summary or f.matches, f.when or f.selected_when,
-             f"`{f.evidence}`" if f.evidence else "")
+    rows = [(f"[`{name}`](docs/fusions.md#{name})", f.summary or f.matches, f.selection(), f"`{f.evidence}`")
             for name, f in registered().items()]
     return "\n".join(_table(("fusion", "what it matches", "selected", "measurements"), rows))
 
@@ -59,7 +58,7 @@ def reference_page() -> str:
              "declaration in `fusionpass/patterns/` (run order: top to bottom).", ""]
     for name, f in registered().items():
         lines += [f"## {name}", "", f.summary, "", f"**Matches.** {f.matches}", "",
-                  f"**Selected when.** {f.selected_when}", "",
+                  f"**Selected when.** {f.selection()}", "",
                   f"**Variants.** {', '.join(f'`{v.name}`' for v in f.variants)}", "",
                   f"**Guards** (in order; the first that fails is the near miss). "
                   f"{', '.join(f'`{g.name}`' for g in f.guards)}", ""]
@@ -69,6 +68,5 @@ def reference_page() -> str:
             lines += _table(("setting", "environment", "default", "what it does"),
                             [(f"`{s.name}`", f"`{s.env}`", f"`{s.default!r}`", s.doc) for s in by_fusion[name]])
             lines.append("")
-        if f.evidence:
-            lines += [f"**Measurements.** `{f.evidence}`", ""]
+        lines += [f"**Measurements.** `{f.evidence}`", ""]
     return "\n".join(lines)

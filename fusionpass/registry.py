@@ -9,7 +9,9 @@ A fusion is data:
     near miss with its reason and the graph is left alone;
   - `replace`: rewrites the graph for a match that passed every guard;
   - `after`: the fusions it runs after, and `options`: its settings (a frozen dataclass), from
-    which `fusionpass.config` derives Config's settings and their environment overrides.
+    which `fusionpass.config` derives Config's settings and their environment overrides;
+  - `cost`: its cost rules as data (`fusionpass.cost`), which its guards evaluate and from which
+    the text saying where it is selected is generated.
 Every module of `fusionpass.patterns` is imported on first use, and each declares its fusion with
 `register(Fusion(...))` (docs/architecture.md); all reuse this loop, the near-miss reasons and
 the per-fusion/per-variant counts without copying them.
@@ -17,7 +19,8 @@ the per-fusion/per-variant counts without copying them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
@@ -34,7 +37,7 @@ class NearMiss(Exception):
 
 @dataclasses.dataclass
 class Match:
-    variant: str
+    variant: str  # the `Variant.name` of the search that found it (stats() and `fusionpass list`)
     anchor: fx.Node
     nodes: list[fx.Node]  # every node the replacement makes dead
     bindings: dict[str, Any]  # what the replacement and the guards read
@@ -64,7 +67,9 @@ class Variant:
 class Fusion:
     name: str
     matches: str  # what it matches, in words (`fusionpass list`)
-    selected_when: str  # its cost rule, in words
+    # when it is selected, in words, beyond its cost rules (`cost`, stated from their data):
+    # devices, dtypes, shapes the kernels take; no numbers that a cost rule holds
+    selected_when: str
     anchor: Callable[[fx.Node], bool]
     variants: tuple[Variant, ...]
     guards: tuple[Guard, ...]
@@ -73,7 +78,6 @@ class Fusion:
     # that depends on it; None (or a None from the function) where another fusion that runs later
     # takes the nodes this one leaves (the attention fusions share SDPA's anchor)
     unmatched: str | Callable[[fx.Node], str | None] | None = "no known variant matches the surrounding ops"
-    modules: tuple[str, ...] = ()  # source modules beyond the declaring one (kernels, ops)
     # fusions whose rewrites this one must see (it runs after them; `fusion_names()`)
     after: tuple[str, ...] = ()
     # The fusion's settings: a frozen dataclass whose fields have defaults and a `doc` in their
@@ -82,15 +86,20 @@ class Fusion:
     # FUSIONPASS_<SETTING> (also FUSIONPASS_<FUSION>_<FIELD>).
     options: type | None = None
     settings_prefix: str | None = None
-    # One line each for the README's table (`fusionpass list --markdown`): what it matches, when
-    # it is selected, and the result file whose measurements the cost rule rests on
+    # Its cost rules (`fusionpass.cost.Range`, `Excluded`, `Switch`): bounds per mode, read from
+    # the config where a bound names a setting; its guards call their `check`.
+    cost: tuple = ()
+    # One line for the README's table (`fusionpass list --markdown`): what it matches
     summary: str = ""
-    when: str = ""
+    # The result file whose measurements the cost rules rest on; derived from the name
+    # (benchmarks/results/latest/<name>.md) unless given
     evidence: str = ""
 
     def __post_init__(self):
         if not self.name.isidentifier() or self.name != self.name.lower():
             raise ValueError(f"fusion name {self.name!r} is not a lower-case identifier")
+        if not self.evidence:
+            object.__setattr__(self, "evidence", f"benchmarks/results/latest/{self.name}.md")
         if self.options is not None and not (dataclasses.is_dataclass(self.options)
                                              and self.options.__dataclass_params__.frozen):
             raise TypeError(f"{self.name}: options must be a frozen dataclass")
@@ -101,6 +110,13 @@ class Fusion:
             return {}
         prefix = self.settings_prefix or self.name
         return {f"{prefix}_{f.name}": f for f in dataclasses.fields(self.options)}
+
+    def selection(self) -> str:
+        """When it is selected, in words: its cost rules (from their data, with the defaults and
+        the settings holding them), then `selected_when`."""
+        from fusionpass.cost import describe
+
+        return "; ".join(t for t in (describe(self.cost), self.selected_when) if t)
 
 
 def option(default, doc: str):
@@ -114,8 +130,8 @@ class Record:
 
     compile_id: str | None = None  # Dynamo's compile id (frame and recompile, not the attempt)
     matches: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
-    # the same matches by (fusion, Variant.name): which declared search found them (a search may
-    # report finer variant names in its Match, e.g. rope's "rotate_half_partial")
+    # the same matches by (fusion, Variant.name of the search that found them); equal to `matches`
+    # where every Match names its own Variant, as the conformance gate's coverage expects
     searches: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     near_misses: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     # seconds the pass spent on each fusion (finding, guarding and replacing its matches)
@@ -131,32 +147,58 @@ class Record:
 
 
 _FUSIONS: dict[str, Fusion] = {}
+# what is derived from _FUSIONS (run order, registered(), Config's settings), dropped by
+# register/unregister; `version()` tells derived caches elsewhere (fusionpass.config) to drop theirs
+_DERIVED: dict[str, Any] = {}
+_VERSION = [0]
+
+
+def _changed() -> None:
+    _DERIVED.clear()
+    _VERSION[0] += 1
+
+
+def version() -> int:
+    """A number that changes whenever a fusion is registered or unregistered."""
+    _load()
+    return _VERSION[0]
 
 
 def register(fusion: Fusion) -> Fusion:
     if fusion.name in _FUSIONS and _FUSIONS[fusion.name] is not fusion:
         raise ValueError(f"fusion {fusion.name!r} is already registered")
-    _FUSIONS[fusion.name] = fusion
+    if _FUSIONS.get(fusion.name) is not fusion:
+        _FUSIONS[fusion.name] = fusion
+        _changed()
     return fusion
 
 
 def unregister(name: str) -> None:
     """Remove a fusion (tests that declare one of their own)."""
-    _FUSIONS.pop(name, None)
+    if _FUSIONS.pop(name, None) is not None:
+        _changed()
 
 
-def registered() -> dict[str, Fusion]:
-    """Declared fusions, in the order their passes run (`fusion_names()`)."""
+def registered() -> Mapping[str, Fusion]:
+    """Declared fusions, in the order their passes run (`fusion_names()`); read-only."""
     _load()
-    return {n: _FUSIONS[n] for n in fusion_names()}
+    if "registered" not in _DERIVED:
+        _DERIVED["registered"] = MappingProxyType({n: _FUSIONS[n] for n in fusion_names()})
+    return _DERIVED["registered"]
 
 
 def fusion_names() -> tuple[str, ...]:
     """Every declared fusion, in run order: each after the fusions it names in `after`, ties by
     name (so the order does not depend on which module was imported first)."""
+    _load()
+    if "order" not in _DERIVED:
+        _DERIVED["order"] = _run_order()
+    return _DERIVED["order"]
+
+
+def _run_order() -> tuple[str, ...]:
     import heapq
 
-    _load()
     waiting = {}
     for name, fusion in _FUSIONS.items():
         unknown = set(fusion.after) - set(_FUSIONS)

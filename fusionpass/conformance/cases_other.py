@@ -208,6 +208,16 @@ class GPTJKeyRope(GPTJRope):
         return self.rotate(k, sin, cos).permute(0, 2, 1, 3)
 
 
+class GPTJKeyPartialRope(GPTJRope):
+    """Only the keys rotated, partial rotary_dim (GPT-J's own form, one tensor)."""
+
+    def forward(self, k, position_ids):
+        k = k.view(*k.shape[:-1], -1, self.head_dim)
+        sin, cos = self.sin_cos(position_ids, k.dtype)
+        r = self.rotary_dim
+        return torch.cat([self.rotate(k[:, :, :, :r], sin, cos), k[:, :, :, r:]], dim=-1).permute(0, 2, 1, 3)
+
+
 def _rope_llama(shape):
     b, s, hq, hkv, d, start = shape
     mod = LlamaRope(d)
@@ -242,6 +252,11 @@ def _rope_gptj(shape, partial=True):
 def _rope_gptj_keys(shape):
     b, s, h, _, d, start = shape
     return GPTJKeyRope(d), (torch.randn(b, s, h * d), _positions(b, s, start))
+
+
+def _rope_gptj_keys_partial(shape):
+    b, s, h, _, d, start = shape
+    return GPTJKeyPartialRope(d, rotary_dim=d // 4), (torch.randn(b, s, h * d), _positions(b, s, start))
 
 
 # form -> (builder, the variant it matches, rope matches)
@@ -283,6 +298,12 @@ def _rope_cases():
         _, variant, n = ROPE_FORMS[form]
         cases.append(_case("rope", variant, form, dtype, _rope_shape_name(shape), False,
                            _maker(ROPE_FORMS[form][0], shape), {"rope": n}, {"rope_kernel": True}))
+    # the one form the rotation above does not deal out (kept out of it so that its cases stay as
+    # they are): partial interleaved rotary of one tensor, in both modes
+    shape = (2, 67, 8, 8, 64, 0)
+    for train in (True, False):
+        cases.append(_case("rope", "interleaved_partial_single", "gptj_keys_partial", BF16, _rope_shape_name(shape),
+                           train, _maker(_rope_gptj_keys_partial, shape), {"rope": 1}))
     return cases
 
 

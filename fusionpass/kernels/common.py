@@ -1,6 +1,6 @@
 """What the norm kernel families share: exact rounding that also holds under the Triton
-interpreter, the forward tiling policy measured on the H200, launch helpers that torch.compile can
-trace, and persistent-grid sizing."""
+interpreter, the forward tiling policy (why: benchmarks/results/latest/rms_norm_residual.md),
+launch helpers that torch.compile can trace, and persistent-grid sizing."""
 from __future__ import annotations
 
 import contextlib
@@ -15,6 +15,10 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE = 2048
 # Forward rows up to this width can be held in registers (see _fwd_chunk).
 MAX_ONE_PASS_FWD = 16384
+# Rows wider than the first and at most the second run in two passes over _TILE-column chunks
+# (see _fwd_chunk); rms_norm_residual's cost rule leaves those with a partial second chunk to
+# Inductor in inference (patterns/rms_norm.py, PARTIAL_CHUNK).
+TWO_PASS_FWD = (_TILE, 2 * _TILE)
 
 
 @triton.jit
@@ -58,9 +62,9 @@ def _for_store(x, DT: tl.constexpr, ROUND_BITS: tl.constexpr):
 
 
 def _warps_fwd(tile: int, one_pass: bool) -> int:
-    # Two passes over 2048-element chunks (rms_norm, rows of 2049..4096): 8 warps (H200, 16384 rows
-    # bf16, two runs: 4096 columns 0.131 / 0.129 ms; 16 warps 0.127 / 0.138; at 3072 columns 0.105
-    # against 0.123 with 16). One pass: ~8-16 elements per thread.
+    # Two passes over _TILE-element chunks (TWO_PASS_FWD): 8 warps, which measured no slower than
+    # 16 there (benchmarks/results/latest/rms_norm_residual.md). One pass: ~8-16 elements per
+    # thread.
     if not one_pass:
         return 8
     if tile >= 16384:
@@ -84,9 +88,10 @@ def _warps_bwd(tile: int) -> int:
 
 def _fwd_chunk(n: int) -> int:
     """Columns per chunk: the whole row (one pass in registers) except where two passes over
-    2048-column chunks measured faster on the H200 (rows of 2049..4096) or rows exceed registers."""
+    _TILE-column chunks measured faster (TWO_PASS_FWD; benchmarks/results/latest/rms_norm_residual.md)
+    or rows exceed registers."""
     width = triton.next_power_of_2(n)
-    if width <= _TILE or (2 * _TILE < width <= MAX_ONE_PASS_FWD):
+    if width <= TWO_PASS_FWD[0] or (TWO_PASS_FWD[1] < width <= MAX_ONE_PASS_FWD):
         return width
     return _TILE
 

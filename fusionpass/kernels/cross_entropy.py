@@ -15,7 +15,7 @@ GEMM writes the [rows, V] logits block in the model dtype, one Triton program pe
 passes over it (online log-sum-exp in fp32, then the gradient of the logits written back in place),
 and two more GEMMs turn that block into the chunk's rows of dh and a contribution to dW (and db).
 That is the three GEMMs a training step needs and no more (recomputing the logits in the backward,
-as cut-cross-entropy does, costs a fourth: ~13 ms at N8192 D4096 V128256 on the H200), while the
+as cut-cross-entropy does, costs a fourth GEMM; benchmarks/results/latest/linear_cross_entropy.md), while the
 only extra memory is one logits block (`chunk_bytes`) and the fp32 per-token losses: the fp32
 [N, V] logits, the probabilities and a separate logits gradient never exist. The backward of the op
 only scales dh/dW/db by grad_output (ops/cross_entropy.py).
@@ -54,10 +54,9 @@ class Tiling:
     num_warps: int
 
 
-# From the H200 (N8192 D4096 V128256 bf16 fwd+bwd, plain torch.compile 40.70 ms / 3.0 GiB extra;
-# benchmarks/results/2026-11-30-h200-linear_cross_entropy.md): 512 MiB blocks (2048 tokens)
-# 38.86 ms / 1.53 GiB; 256 MiB 40.90 ms / 1.29 GiB; 128 MiB 44.32 ms / 1.16 GiB. block_v 2048..8192
-# and 4..16 warps moved it by under 1.5%.
+# Larger logits blocks trade extra memory for fewer, larger GEMMs: this block was the fastest
+# measured and still far under the full logits' memory; block_v and num_warps barely matter
+# (benchmarks/results/latest/linear_cross_entropy.md).
 CUDA_TILING = Tiling(chunk_bytes=512 << 20, block_v=4096, num_warps=8)
 # The interpreter runs programs one by one in numpy: small blocks keep odd vocab sizes covered by
 # several blocks and a masked tail.
@@ -306,8 +305,8 @@ def linear_cross_entropy_fwd(
     db_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if need_db else None
     row_losses = torch.empty(n, dtype=torch.float32, device=device)
     # Returned logits are written by the GEMM itself only where their rows are 16-byte aligned:
-    # cuBLAS falls back to slow unaligned kernels otherwise (GPT-2's V=50257 on the H200: sm75
-    # "align1" GEMMs, 31 ms of a 60 ms step). Elsewhere the GEMM writes the padded block and the
+    # cuBLAS falls back to slow unaligned ("align1") kernels otherwise (GPT-2's V=50257;
+    # benchmarks/results/latest/linear_cross_entropy.md). Elsewhere the GEMM writes the padded block and the
     # row kernel copies the logits out on its second pass.
     direct = return_logits and (vocab * h.element_size()) % 16 == 0
     # One [chunk, V] block, rows padded to 64 columns: the raw logits when they are not written
@@ -344,8 +343,7 @@ def linear_cross_entropy_fwd(
             continue
         # Both gradient GEMMs run over the vocabulary in two parts: a multiple of 16 bytes, then
         # the few last columns. With an odd V (GPT-2's 50257, BERT's 30522 is not a multiple of
-        # 8 either) cuBLAS otherwise takes unaligned kernels for the whole GEMM (H200: 23 ms of
-        # GPT-2's step in two align1 GEMMs).
+        # 8 either) cuBLAS otherwise takes unaligned kernels for the whole GEMM (benchmarks/results/latest/linear_cross_entropy.md).
         if need_dh:
             torch.mm(g[:, :aligned], weight[:aligned], out=dh[start:end])
             if aligned < vocab:

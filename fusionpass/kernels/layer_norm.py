@@ -48,8 +48,7 @@ __all__ = ["dropout_mask", "layer_norm_bwd", "layer_norm_fwd"]
 
 # Backward rows whose next power of two is at most this stay in registers, one row (or a tile of
 # rows) per program; longer rows loop over chunks of _CHUNK columns. (An 8192 row with dropout
-# spills for sm_90 at 16 warps, yet measured 0.43 ms against 0.64 for the best chunked launch,
-# 16384x8192 bf16.)
+# spills for sm_90 at 16 warps, yet measured faster than the best chunked launch; benchmarks/results/latest/layer_norm_dropout_residual.md.)
 MAX_FUSED_BWD = 8192
 # Registers per thread of the backward kernels for sm_90 (ptxas, every flag combination and dtype:
 # 59..116, the most with dropout, dh, dweight, dbias and dresidual): residency of a persistent
@@ -355,10 +354,9 @@ def _reduce_kernel(P0, OUT0, P1, OUT1, G, N, ROUND_BITS: tl.constexpr, BLOCK_G: 
 # --------------------------------------------------------------------------------------------------
 
 
-# Launch tables, from a sweep of warps x chunk x programs per SM on the H200 (16384 rows, bf16,
-# kernel time; benchmarks/results/2026-11-30-h200-layer_norm_dropout_residual.md). Rows of up to
-# 4096 columns: one pass in registers; 8192 with h stored (training): two passes over 2048-column
-# chunks, h re-read from L2 (0.28 vs 0.31-0.34 ms one pass); without h: one pass at 16 warps.
+# Launch tables, from a sweep of warps x chunk x programs per SM (benchmarks/results/latest/layer_norm_dropout_residual.md). Rows of up to 4096
+# columns: one pass in registers; 8192 with h stored (training): two passes over 2048-column
+# chunks, h re-read from L2 (faster than one pass there); without h: one pass at 16 warps.
 
 
 def _fwd_plan(n: int, store_h: bool) -> tuple[int, int] | None:

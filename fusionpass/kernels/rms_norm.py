@@ -61,9 +61,8 @@ def _fwd_kernel(
     weight_offset = tl.cast(weight_offset, tl.float32)
     # [BLOCK_M, BLOCK_N] tiles. A row that fits one chunk (ONE_PASS) stays in registers: one read,
     # one write. Longer rows take two passes: pass 1 sums squares with its loads marked evict_last,
-    # pass 2 re-reads the row from L2 and writes h and y. On the H200 (bf16, 16384 rows) two passes
-    # streamed 4.2 TB/s at width 4096 where whole rows in registers gave 3.9 TB/s, but one pass
-    # won at width 2048 and below.
+    # pass 2 re-reads the row from L2 and writes h and y. Two passes beat whole rows in registers
+    # at width 4096, one pass won at 2048 and below (kernels/common.py, _fwd_chunk; benchmarks/results/latest/rms_norm_residual.md).
     IN_DT: tl.constexpr = X.dtype.element_ty
     OUT_DT: tl.constexpr = Y.dtype.element_ty
     pid = tl.program_id(0)
@@ -275,9 +274,7 @@ def _dw_reduce_kernel(P, DW, G, N, ROUND_BITS: tl.constexpr, BLOCK_G: tl.constex
 
 def _programs_per_sm(num_warps: int) -> int:
     # Every variant compiles to <= 102 registers per thread for sm_90 (see MAX_FUSED_*), so up to
-    # 64 warps could be resident; half of that measured faster on the H200 (16384 rows, bf16:
-    # 3072 and 4096 columns at 16 warps, 2 programs per SM: 0.122 and 0.141 ms, against 0.130 and
-    # 0.149 with 4 per SM; 2048 at 8 warps and 8192 at 32 within 2% either way).
+    # 64 warps could be resident; half of that measured faster (benchmarks/results/latest/rms_norm_residual.md).
     return max(1, 32 // num_warps)
 
 

@@ -40,7 +40,8 @@ def _pair_tiles(rows, stride, row_ok, HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     """Channels a and b of each rotated pair p < HALF of the rows that start at pointers `rows` ([R]),
     as two [R, BLOCK_P] fp32 tiles: a = p, b = p + HALF (rotate_half), or a = 2p, b = 2p + 1
     (interleaved). Interleaved pairs are adjacent channels: one contiguous tile, split into even and
-    odd channels in registers (stride-2 loads measured 14x slower than Inductor on the H200)."""
+    odd channels in registers (stride-2 loads measured far slower than Inductor;
+    benchmarks/results/latest/rope.md)."""
     if INTERLEAVED:
         c = tl.arange(0, 2 * BLOCK_P)
         mask = row_ok[:, None] & (c < 2 * HALF)[None, :]
@@ -152,7 +153,7 @@ def empty_out(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.preserve_format)
 
 
-_STREAM = False  # cache hints off by default until the H200 sweep says otherwise
+_STREAM = False  # cache hints off until a measurement (benchmarks/results/latest/rope.md) says otherwise
 _WIDE_AT = 2**31  # offsets from here on need 64-bit index math
 
 

@@ -235,8 +235,8 @@ def _(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, ne
 
 # ---------------------------------------------------------------------------------------------
 # public ops: triton_ops, so that on CUDA torch.compile traces into them and Inductor launches the
-# kernels from its generated code (as opaque custom ops, Python dispatch cost as much host time as
-# the rms_norm kernel itself on the H200, see ops/rms_norm.py).
+# kernels from its generated code (as opaque custom ops, their Python dispatch costs as much host
+# time as the kernel itself, see ops/rms_norm.py).
 
 
 def _check_dropout(p: float, seed: Tensor | None) -> None:

@@ -130,8 +130,8 @@ def _kernel_backward(dy, dh, h, rstd, weight, weight_offset, weight_after_cast, 
 
 
 # The public ops are triton_ops: on CUDA torch.compile traces into them and Inductor launches the
-# kernels from its own generated code. As opaque custom_ops their Python dispatch cost 0.13-0.18 ms
-# of host time per call on the H200 machine, as much as the kernel itself at 16384x4096.
+# kernels from its own generated code. As opaque custom_ops their Python dispatch cost as much host
+# time per call as the kernel itself (benchmarks/results/latest/rms_norm_residual.md).
 
 
 @torch.library.triton_op("fusionpass::rms_norm_residual", mutates_args=())

@@ -205,7 +205,6 @@ ATTENTION_OUT_PROJ = registry.register(
     Fusion(
         name="attention_out_proj",
         summary='the attention kernel writes token-major output for the output projection (no head-merge copy)',
-        when="wherever attention's kernel output is merged back to [B, S, H*D] for a linear",
         after=("flash_attention", "rope_attention"),
         matches=(
             "fusionpass::flash_attention output merged back to [B, S, H*D] for the output projection "
@@ -224,7 +223,6 @@ ATTENTION_OUT_PROJ = registry.register(
         ),
         guards=(Guard("device", device_supported),),
         replace=replace,
-        modules=("fusionpass.ops.flash_attention", "fusionpass.kernels.attention"),
         unmatched="the attention output is not merged into [B, S, H*D] by a head merge this fusion knows",
     )
 )

@@ -39,6 +39,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusionpass import registry
+from fusionpass.cost import Range
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
 
@@ -430,12 +431,14 @@ def shapes_supported(m: Match, cfg) -> str | None:
     return None
 
 
+# The cost rule: LLM-sized vocabularies only; below them Inductor's own loss is faster (why:
+# benchmarks/results/latest/linear_cross_entropy.md).
+VOCAB = Range.always("classes", "linear_cross_entropy_min_vocab", None)
+
+
 def vocab_large_enough(m: Match, cfg) -> str | None:
     vocab = g.static_int(g.tensor(m.bindings["chain"].weight).shape[0])
-    if vocab < cfg.linear_cross_entropy_min_vocab:
-        return (f"{vocab} classes < {cfg.linear_cross_entropy_min_vocab}: the fused op measured "
-                "slower than Inductor's own loss below LLM vocabularies")
-    return None
+    return VOCAB.check(vocab, "inference", cfg)
 
 
 def logits_private(m: Match, cfg) -> str | None:
@@ -494,9 +497,7 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """linear_cross_entropy's cost rule: on the H200 the op won at Llama 3's vocabulary and training
-    steps with it at GPT-2's and BERT's were slower than plain torch.compile
-    (benchmarks/results/2026-11-30-h200-linear_cross_entropy.md)."""
+    """The bound of linear_cross_entropy's cost rule (`VOCAB`)."""
 
     min_vocab: int = option(100_000, "smallest vocabulary fused")
 
@@ -505,9 +506,8 @@ LINEAR_CROSS_ENTROPY = registry.register(
     Fusion(
         name="linear_cross_entropy",
         summary='lm_head projection and cross-entropy loss, chunked over tokens (no full logits tensor)',
-        when='CUDA; vocabularies of at least linear_cross_entropy_min_vocab classes',
-        evidence='benchmarks/results/2026-11-30-h200-linear_cross_entropy.md',
         options=Options,
+        cost=(VOCAB,),
         matches=(
             "F.cross_entropy over the logits of a vocabulary projection (lm_head, F.linear, "
             "h @ W.t()) as HF ForCausalLMLoss writes it (.float(), view(-1, V), ignore_index, "
@@ -518,7 +518,7 @@ LINEAR_CROSS_ENTROPY = registry.register(
         selected_when=(
             "CUDA tensors, float32/float16/bfloat16 h and weight of one dtype, class-index "
             "targets, constant ignore_index and label_smoothing, reduction mean or sum, no "
-            "class weights, at least Config.linear_cross_entropy_min_vocab classes, logits used "
+            "class weights, logits used "
             "by nothing but the loss and the graph's outputs"
         ),
         anchor=is_cross_entropy,
@@ -539,6 +539,5 @@ LINEAR_CROSS_ENTROPY = registry.register(
             "cross_entropy found, but its input is not a vocabulary projection's logits through "
             "known ops (soft-cap, [..., :-1, :], .float(), view/reshape)"
         ),
-        modules=("fusionpass.ops.cross_entropy", "fusionpass.kernels.cross_entropy"),
     )
 )

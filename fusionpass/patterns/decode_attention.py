@@ -23,7 +23,7 @@ that tensor goes to the kernel as its key-padding vector. With one query token, 
 of shape [B or 1, 1, 1, L] is a key-padding vector as it stands: generate() with a compiled
 forward passes the mask it built outside the graph, and that is matched as such
 ("one_query_any_mask"; a row that sees no key gives 0, where SDPA would give NaN). Matched only in inference graphs (no
-gradient), for head dims 64/128/256, Lq <= 16, one float dtype. A mask with other terms (sliding
+gradient), for head dims 64/128/256, Lq within QUERY, one float dtype. A mask with other terms (sliding
 windows, several padding tensors) is a near miss with its reason.
 """
 from __future__ import annotations
@@ -35,6 +35,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusionpass import registry
+from fusionpass.cost import Range
+from fusionpass.kernels.decode_attention import HEAD_DIMS, MAX_Q_LEN
 from fusionpass.patterns import eager_attention as eager
 from fusionpass.patterns import graph as g
 from fusionpass.patterns import masks
@@ -42,8 +44,9 @@ from fusionpass.patterns.attention_kernel import key_padding_vector, kernel_dtyp
 from fusionpass.patterns.sdpa import grouped_kv, is_sdpa, query_device, repeat_kv_nodes, sdpa_arguments
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
 
-MAX_QUERY = 16
-HEAD_DIMS = (64, 128, 256)
+# Which attention steps are decode steps: at most the decode kernel's query length (its hard
+# limit); longer ones (prefill, training) are the attention fusion's.
+QUERY = Range.always("query length", 1, MAX_Q_LEN)
 _ANDS = (operator.and_, torch.logical_and, torch.bitwise_and, "__and__", "logical_and")
 _PASS_THROUGH = ("expand", "to", "contiguous")
 
@@ -152,7 +155,7 @@ def decode_mask(mask: fx.Node, args: dict) -> tuple[fx.Node, int, int, list[fx.N
 
 def _decode_sized(lq, lk) -> bool:
     lq, lk = g.static_int(lq), g.static_int(lk)
-    return lq is not None and lk is not None and lq <= MAX_QUERY and lk > lq
+    return lq is not None and lk is not None and QUERY.check(lq, "inference") is None and lk > lq
 
 
 def _is_sdpa_decode_step(node) -> bool:
@@ -176,7 +179,7 @@ def _is_eager_decode_step(node) -> bool:
 
 def is_decode_step(node) -> bool:
     """SDPA with a mask, or eager-math attention (matmuls and a softmax), with a static query
-    length <= MAX_QUERY and a longer static key length (prefill and training are the attention
+    length within QUERY and a longer static key length (prefill and training are the attention
     fusion's)."""
     return _is_sdpa_decode_step(node) or _is_eager_decode_step(node)
 
@@ -194,7 +197,17 @@ def _one_query_key_mask(mask: fx.Node, q: torch.Tensor, lk: int) -> bool:
     )
 
 
+def _searcher(variant: str):
+    def found(node: fx.Node) -> Match | None:
+        match = search(node)
+        return match if match is None or match.variant == variant else None
+
+    return found
+
+
 def search(node: fx.Node) -> Match | None:
+    """The match of either variant: static_cache (transformers' decode mask) or
+    one_query_any_mask (one query token, any [B, 1, 1, L] boolean mask)."""
     if is_sdpa(node):
         args = sdpa_arguments(node)
         return _search(node, args, args["attn_mask"], [node], [])
@@ -212,6 +225,10 @@ def search(node: fx.Node) -> Match | None:
     # the additive mask and get 0 from the kernel; in a decode step the new token always sees its
     # own key, so only a malformed mask can tell them apart
     return _search(node, args, e.mask, list(e.nodes), list(e.mask_nodes))
+
+
+search_static_cache = _searcher("static_cache")
+search_one_query = _searcher("one_query_any_mask")
 
 
 def _search(node: fx.Node, args: dict, mask: fx.Node, nodes: list, extra_mask_nodes: list) -> Match:
@@ -328,24 +345,23 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
 DECODE_ATTENTION = registry.register(
     Fusion(
         name="decode_attention",
-        summary='static-cache decode attention (at most 16 new tokens) to a split-KV kernel',
-        when='CUDA inference, fp16/bf16, head dims 64/128/256',
-        evidence='benchmarks/results/2026-11-30-h200-decode_attention.md',
+        summary='static-cache decode attention (a few new tokens) to a split-KV kernel',
         after=("rope",),
+        cost=(QUERY,),
         matches=(
-            "SDPA or eager-math attention (matmul, additive mask, softmax, matmul) of at most 16 "
+            "SDPA or eager-math attention (matmul, additive mask, softmax, matmul) of a few "
             "query tokens over a static KV cache with transformers' decode mask "
             "(kv_idx <= arange(Lq) + cache length, and generate()'s key-padding lookup), or one "
             "query token with any [B, 1, 1, L] boolean mask (variant one_query_any_mask); repeat_kv "
             "copies or enable_gqa"
         ),
         selected_when=(
-            "inference graphs with a static query length <= 16, head dim 64/128/256, one float "
+            "inference graphs with a static query length, head dim 64/128/256, one float "
             "dtype, fp16/bf16 on CUDA (fp32 is a near miss there: attention_kernel.kernel_dtypes); the causal "
             "term with at most one key-padding lookup (windows are near misses)"
         ),
         anchor=is_decode_step,
-        variants=(Variant("static_cache", search),),  # also reports "one_query_any_mask"
+        variants=(Variant("static_cache", search_static_cache), Variant("one_query_any_mask", search_one_query)),
         guards=(
             Guard("device", query_device),
             Guard("inference", inference_only),
@@ -356,6 +372,5 @@ DECODE_ATTENTION = registry.register(
         ),
         replace=replace,
         unmatched="a decode-sized SDPA whose mask is not transformers' static-cache decode mask",
-        modules=("fusionpass.ops.decode_attention", "fusionpass.kernels.decode_attention"),
     )
 )

@@ -309,7 +309,6 @@ FLASH_ATTENTION = registry.register(
     Fusion(
         name="flash_attention",
         summary="eager-math attention and ALiBi-biased SDPA masks to our FlashAttention-2 kernel",
-        when="eager/ALiBi attention in fp16/bf16 (attention_kernel: SDPA windows and padding too)",
         after=("decode_attention", "rope"),
         options=Options,
         settings_prefix="attention",

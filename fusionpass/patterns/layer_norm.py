@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from fusionpass import registry
+from fusionpass.cost import Range, mode
 from fusionpass.patterns import dropout as dp
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
@@ -266,16 +267,19 @@ def normalizes_last_dim(m: Match, cfg) -> str | None:
     return f"normalized_shape {shape!r} is not the static last dimension"
 
 
+# The cost rule: training (a dropout or a gradient) is fused over a wider band of row widths than
+# inference (why: benchmarks/results/latest/layer_norm_dropout_residual.md).
+WIDTH = Range(
+    "row width",
+    training=("layer_norm_min_width", "layer_norm_max_width"),
+    inference=("layer_norm_inference_min_width", "layer_norm_inference_max_width"),
+)
+
+
 def cost_rule(width: int, training: bool, cfg) -> str | None:
-    """Where the fused kernel measured faster than Inductor (see fusionpass/config.py): a reason to
-    leave the LayerNorm to Inductor, or None. `training`: the match drops or is differentiated."""
-    if training:
-        lo, hi, what = cfg.layer_norm_min_width, cfg.layer_norm_max_width, "training"
-    else:
-        lo, hi, what = cfg.layer_norm_inference_min_width, cfg.layer_norm_inference_max_width, "inference"
-    if not lo <= width <= hi:
-        return f"row width {width} outside {lo}..{hi}, where the kernel measured faster than Inductor in {what}"
-    return None
+    """A reason to leave the LayerNorm to Inductor (`WIDTH`), or None. `training`: the match drops
+    or is differentiated."""
+    return WIDTH.check(width, mode(training), cfg)
 
 
 def _training(m: Match) -> bool:
@@ -377,9 +381,7 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """layer_norm_dropout_residual's cost rule (`cost_rule`): training (a dropout or a gradient) won
-    at every width measured, inference only in a narrower band
-    (benchmarks/results/2026-11-30-h200-layer_norm_dropout_residual.md)."""
+    """The bounds of layer_norm_dropout_residual's cost rule (`WIDTH`)."""
 
     min_width: int = option(768, "narrowest row fused in training")
     max_width: int = option(8192, "widest row fused in training")
@@ -391,9 +393,8 @@ LAYER_NORM_DROPOUT_RESIDUAL = registry.register(
     Fusion(
         name="layer_norm_dropout_residual",
         summary='LayerNorm of `dropout(x) + residual` (BERT, GPT-2, GPT-NeoX, OPT, BLOOM, Falcon), dropout in the kernel',
-        when='CUDA; widths layer_norm_min/max_width in training, layer_norm_inference_min/max_width in inference',
-        evidence='benchmarks/results/2026-11-30-h200-layer_norm_dropout_residual.md',
         options=Options,
+        cost=(WIDTH,),
         settings_prefix="layer_norm",
         matches=(
             "LayerNorm of dropout(x) + residual (BERT post-LN, GPT-2/GPT-NeoX/OPT pre-LN with the "
@@ -403,8 +404,7 @@ LAYER_NORM_DROPOUT_RESIDUAL = registry.register(
         selected_when=(
             "CUDA tensors, float32/float16/bfloat16 (weight and bias in the input dtype or "
             "float32), LayerNorm over the last dimension only, constant dropout p in [0, 1), "
-            "row widths 768..8192 in training, 2048..4096 in inference (layer_norm_[inference_]min/max_width), not a "
-            "parallel-residual (three-term) sum"
+            "not a parallel-residual (three-term) sum; training: an active dropout or a gradient"
         ),
         anchor=is_candidate,
         variants=tuple(Variant(name, search) for name, search in VARIANTS),
@@ -419,6 +419,5 @@ LAYER_NORM_DROPOUT_RESIDUAL = registry.register(
         ),
         replace=replace,
         unmatched="LayerNorm found, but not of a dropout or a residual sum",
-        modules=("fusionpass.ops.layer_norm", "fusionpass.kernels.layer_norm"),
     )
 )

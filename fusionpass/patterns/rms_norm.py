@@ -15,7 +15,8 @@ import torch
 import torch.fx as fx
 
 from fusionpass import registry
-from fusionpass.kernels.common import _fwd_chunk
+from fusionpass.cost import Excluded, Range, mode
+from fusionpass.kernels.common import TWO_PASS_FWD
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
 
@@ -177,7 +178,9 @@ def _residual_operands(h: fx.Node):
     return pair
 
 
-def _search(form_name, form):
+def _search(form_name, form, with_residual: bool):
+    """The search of one output form, with the residual add before it fused or without one."""
+
     def search(rsqrt: fx.Node) -> Match | None:
         stats = _statistics(rsqrt)
         if stats is None:
@@ -195,6 +198,8 @@ def _search(form_name, form):
         if offset and after_cast:
             raise NearMiss("1 + weight applied after the downcast: no kernel variant for it")
         residual = _residual_operands(h)
+        if (residual is not None) != with_residual:
+            return None
         nodes = [
             *_upcast_chain(hf, h),
             *_upcast_chain(x, h),
@@ -203,9 +208,8 @@ def _search(form_name, form):
             n,
             *out_nodes,
         ]
-        variant = form_name if residual else f"{form_name}_no_residual"
         return Match(
-            variant=variant,
+            variant=form_name if residual else f"{form_name}_no_residual",
             anchor=rsqrt,
             nodes=[*dict.fromkeys(nodes), *([h] if residual else [])],
             bindings=dict(
@@ -258,23 +262,27 @@ def weight_is_per_channel(m: Match, cfg) -> str | None:
     return None
 
 
+# The cost rules (why: benchmarks/results/latest/rms_norm_residual.md). Narrow rows (per-head
+# QK-norm) stay with Inductor's fused code in both modes; training (the norm is differentiated)
+# takes wider rows than inference, where rows the forward kernel runs in two chunks with a partial
+# second one (kernels/common.py, TWO_PASS_FWD) stay with Inductor too.
+WIDTH = Range(
+    "row width",
+    training=("rms_norm_min_width", "rms_norm_train_max_width"),
+    inference=("rms_norm_min_width", "rms_norm_max_width"),
+)
+PARTIAL_CHUNK = Excluded(
+    "row width", TWO_PASS_FWD[0] + 1, TWO_PASS_FWD[1] - 1,
+    "the forward's second chunk is partial", modes=("inference",),
+)
+
+
 def width_in_range(m: Match, cfg) -> str | None:
     width = g.static_int(g.tensor(m.bindings["h"]).shape[-1])
     if width is None:
         return "row width is symbolic (the kernel is specialized on it)"
-    if width < cfg.rms_norm_min_width:
-        return f"row width {width} < {cfg.rms_norm_min_width}: Inductor's fused code wins on short rows"
-    # Training (the norm is differentiated) measured faster up to wider rows than inference.
-    training = bool(getattr(g.tensor(m.bindings["y"]), "requires_grad", False))
-    top = cfg.rms_norm_train_max_width if training else cfg.rms_norm_max_width
-    if width > top:
-        mode = "training" if training else "inference"
-        return f"row width {width} > {top}: the kernel measured slower than Inductor there in {mode}"
-    chunk = _fwd_chunk(width)  # the forward kernel's column chunk for such rows
-    if not training and chunk < width and width % chunk:
-        return (f"row width {width}: in inference the forward's second chunk is partial, measured "
-                f"slower than Inductor (3072: 0.93x)")
-    return None
+    training = mode(bool(getattr(g.tensor(m.bindings["y"]), "requires_grad", False)))
+    return WIDTH.check(width, training, cfg) or PARTIAL_CHUNK.check(width, training, cfg)
 
 
 def rows_contiguous(m: Match, cfg) -> str | None:
@@ -320,10 +328,7 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """rms_norm_residual's cost rule: the row widths where the kernel measured at least as fast as
-    Inductor on the H200 (benchmarks/results/2026-11-30-h200-rms_norm_residual.md). Narrower rows
-    (per-head QK-norm) measured slower, forward and backward, so they stay with Inductor; inference
-    also leaves wider rows (and partial second chunks, `width_in_range`) to it."""
+    """The bounds of rms_norm_residual's cost rule (`WIDTH`)."""
 
     min_width: int = option(2048, "narrowest row fused")
     max_width: int = option(4096, "widest row fused in inference")
@@ -334,23 +339,24 @@ RMS_NORM_RESIDUAL = registry.register(
     Fusion(
         name="rms_norm_residual",
         summary="RMSNorm (Llama/Mistral/Qwen/Phi-3, Gemma's `1 + w`, T5) with the residual add before it",
-        when='CUDA; row widths rms_norm_min_width..rms_norm_train_max_width in training, ..rms_norm_max_width in inference',
-        evidence='benchmarks/results/2026-11-30-h200-rms_norm_residual.md',
         options=Options,
         settings_prefix="rms_norm",
+        cost=(WIDTH, PARTIAL_CHUNK),
         matches=(
             "RMSNorm (HF Llama/Mistral/Qwen2/Qwen3/Phi-3 `w * n.to(dtype)`, Gemma `1 + w` in fp32, "
-            "T5, plain fp32), with the residual add before it fused when there is one; the sum is "
-            "returned for the next residual"
+            "T5, plain fp32), with the residual add before it fused when there is one (variants "
+            "<form>; without one: <form>_no_residual); the sum is returned for the next residual"
         ),
         selected_when=(
             "CUDA tensors, float32/float16/bfloat16 without dtype mixing, constant eps, "
-            f"per-channel weight, row widths {Options.min_width}..{Options.train_max_width} in training, "
-            f"{Options.min_width}..{Options.max_width} in inference (not with a partial second chunk) "
-            "(rms_norm_min_width, rms_norm_max_width, rms_norm_train_max_width)"
+            "per-channel weight; training: the norm is differentiated"
         ),
         anchor=lambda node: g.is_op(node, "rsqrt"),
-        variants=tuple(Variant(name, _search(name, form)) for name, form in OUTPUT_FORMS),
+        variants=tuple(
+            Variant(f"{name}{suffix}", _search(name, form, residual))
+            for name, form in OUTPUT_FORMS
+            for suffix, residual in (("", True), ("_no_residual", False))
+        ),
         guards=(
             Guard("device", device_supported),
             Guard("dtype", dtypes_agree),

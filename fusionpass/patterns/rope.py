@@ -10,11 +10,10 @@ Partial rotary (GPT-NeoX rotary_pct, Phi-3 partial_rotary_factor, GPT-J rotary_d
 and is matched from x to the cat. The second rotation that reads the same cos and sin (k for q)
 joins the match: one fusionpass::rope call rotates both; a lone rotation gets a call of its own.
 
-Cost rule (`cost_rule`, fusionpass/config.py): selected where q and k together hold at most
-rope_max_bytes (96 MiB; rope_interleaved_max_bytes, 48 MiB, for the interleaved form with every
-channel rotated) and the rotation covers at least rope_min_tokens (64) positions; the kernel
-measured 1.01-1.54x of plain torch.compile's code up to 84 MB and 0.91-0.98x from 168 MB on the H200 (benchmarks/results/2026-12-01-h200-rope_attention.md). rope_kernel=True /
-FUSIONPASS_ROPE_KERNEL=1 routes every match. Where the rotated q feeds fusionpass's attention
+Cost rule (`cost_rule`, the rules POSITIONS, SIZE and INTERLEAVED_SIZE): selected where q and
+k together are small enough and the rotation covers enough positions (rope_max_bytes,
+rope_interleaved_max_bytes, rope_min_tokens; why: benchmarks/results/latest/rope.md).
+rope_kernel=True / FUSIONPASS_ROPE_KERNEL=1 routes every match. Where the rotated q feeds fusionpass's attention
 kernel, patterns/rope_attention.py moves q's rotation into that kernel instead (with or without
 this fusion).
 """
@@ -27,6 +26,7 @@ import torch
 from torch import fx
 
 from fusionpass import registry
+from fusionpass.cost import Range, Switch
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, Variant, option
 
@@ -304,15 +304,20 @@ def _partner(first: dict, add: fx.Node, form):
     return None
 
 
-def _search(form_name, form):
+def _variant(form_name: str, partial: bool, single: bool) -> str:
+    """<form>[_partial][_single]: partial rotary, and a lone rotation (no k sharing cos/sin)."""
+    return form_name + ("_partial" if partial else "") + ("_single" if single else "")
+
+
+def _search(form_name, form, partial: bool, single: bool):
     def search(add: fx.Node) -> Match | None:
         first = _one(add, form)
-        if first is None:
+        if first is None or bool(first["partial"]) != partial:
             return None
         second = _partner(first, add, form)
-        variant = form_name + ("_partial" if first["partial"] else "")
-        if second is None:
-            variant += "_single"
+        if (second is None) != single:
+            return None
+        variant = _variant(form_name, partial, single)
         nodes = [*first["nodes"], *(second["nodes"] if second else ())]
         return Match(
             variant=variant,
@@ -443,29 +448,31 @@ def _positions(m: Match) -> int | None:
     return None if None in sizes else max(sizes)
 
 
+# The cost rules (why: benchmarks/results/latest/rope.md): decode-sized rotations stay with
+# Inductor, which writes the rotated k into a static KV cache in the same kernel; large ones stay
+# with Inductor too, sooner for the interleaved form with every channel rotated (partial
+# interleaved rotary, GPT-J's own form, keeps rope_max_bytes).
+ANY_SIZE = Switch("rope_kernel")
+POSITIONS = Range.always("positions", "rope_min_tokens", None)
+SIZE = Range.always("q and k", None, "rope_max_bytes", unit="MiB", scale=2**20)
+INTERLEAVED_SIZE = Range.always("q and k (interleaved, every channel rotated)", None, "rope_interleaved_max_bytes",
+                                unit="MiB", scale=2**20)
+
+
 def cost_rule(m: Match, cfg) -> str | None:
-    """Where the kernel measured faster than Inductor (fusionpass/config.py), unless rope_kernel."""
-    if cfg.rope_kernel:
+    """The cost rules (POSITIONS, SIZE, INTERLEAVED_SIZE), unless rope_kernel."""
+    if ANY_SIZE.on(cfg):
         return None
     tensors = [g.tensor(m.bindings[n]) for n in ("q", "k") if m.bindings[n] is not None]
     sizes = [g.static_int(t.numel()) for t in tensors]
     positions = _positions(m)
     if None in sizes or positions is None:
         return "symbolic sizes: the cost rule needs static ones (rope_kernel=True routes it anyway)"
-    if positions < cfg.rope_min_tokens:
-        return (f"{positions} positions, under {cfg.rope_min_tokens}: left to Inductor, which fuses the "
-                "rotation of a decode step's k with its KV-cache write")
     nbytes = sum(n * t.element_size() for n, t in zip(sizes, tensors))
     head_dim = g.static_int(tensors[0].shape[-1])
-    if m.bindings["form"] == "interleaved" and m.bindings["rotary_dim"] == head_dim:
-        if nbytes > cfg.rope_interleaved_max_bytes:
-            return (f"q and k hold {nbytes / 2**20:.3g} MiB, over {cfg.rope_interleaved_max_bytes / 2**20:.3g} MiB: "
-                    "the interleaved form with every channel rotated measured 0.99x of plain torch.compile at 67 MB "
-                    "on the H200")
-    elif nbytes > cfg.rope_max_bytes:
-        return (f"q and k hold {nbytes / 2**20:.3g} MiB, over {cfg.rope_max_bytes / 2**20:.3g} MiB: measured "
-                "slower than plain torch.compile there (0.91-0.98x from 168 MB on the H200)")
-    return None
+    full_interleaved = m.bindings["form"] == "interleaved" and m.bindings["rotary_dim"] == head_dim
+    size = INTERLEAVED_SIZE if full_interleaved else SIZE
+    return POSITIONS.check(positions, "inference", cfg) or size.check(nbytes, "inference", cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,16 +494,11 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """rope's cost rule: fusionpass::rope (one launch for q and k) where q and k together hold at
-    most max_bytes and the rotation covers at least min_tokens positions; on the H200 the kernel
-    won below the byte limit and lost above it, and decode-sized rotations stay with Inductor,
-    which writes the rotated k into a static KV cache in the same kernel
-    (benchmarks/results/2026-12-01-h200-rope_attention.md)."""
+    """rope's cost rule: the bounds of POSITIONS, SIZE and INTERLEAVED_SIZE, and the switch
+    ANY_SIZE."""
 
     kernel: bool = option(False, "route every match to fusionpass::rope, whatever its size")
     max_bytes: int = option(96 * 2**20, "largest q + k fused (bytes)")
-    # the interleaved form with every channel rotated lost sooner than rotate_half (partial
-    # interleaved rotary, GPT-J's own form, keeps max_bytes)
     interleaved_max_bytes: int = option(48 * 2**20, "largest q + k fused in the full interleaved form (bytes)")
     min_tokens: int = option(64, "fewest positions rotated")
 
@@ -505,24 +507,24 @@ ROPE = registry.register(
     Fusion(
         name="rope",
         summary='rotary embedding of q and k in one launch (HF `rotate_half`, GPT-J interleaved, partial rotary)',
-        when='CUDA; q + k of at most rope_max_bytes over at least rope_min_tokens positions (rope_kernel: always)',
-        evidence='benchmarks/results/2026-11-30-h200-rope.md',
         options=Options,
+        cost=(ANY_SIZE, POSITIONS, SIZE, INTERLEAVED_SIZE),
         matches=(
             "rotary embedding x * cos + rot(x) * sin with HF rotate_half (Llama, GPT-NeoX, Phi-3) or "
             "GPT-J's interleaved rotate_every_two, partial rotary (slice + cat) included; q and k "
             "sharing cos/sin are rotated by one call"
         ),
         selected_when=(
-            f"q and k of at most {Options.max_bytes >> 20} MiB together ({Options.interleaved_max_bytes >> 20} MiB "
-            f"for the interleaved form with every channel rotated) over at least {Options.min_tokens} positions, "
-            "where the kernel measured faster than plain torch.compile (rope_kernel=True / "
-            "FUSIONPASS_ROPE_KERNEL=1: always); "
-            "4-d q/k of one float dtype, cos/sin in that dtype or float32 broadcasting over them, "
-            "even rotary dim, cos/sin without grad"
+            "CUDA tensors; 4-d q/k of one float dtype, cos/sin in that dtype or float32 broadcasting "
+            "over them, even rotary dim, cos/sin without grad"
         ),
         anchor=anchor,
-        variants=tuple(Variant(name, _search(name, form)) for name, form in FORMS),
+        variants=tuple(
+            Variant(_variant(name, partial, single), _search(name, form, partial, single))
+            for name, form in FORMS
+            for partial in (False, True)
+            for single in (False, True)
+        ),
         guards=(
             Guard("device", device_supported),
             Guard("dtype", dtypes_agree),
@@ -535,6 +537,5 @@ ROPE = registry.register(
         replace=replace,
         unmatched="add of two products found, but not x * cos + rotate_half(x) / "
         "rotate_every_two(x) * sin",
-        modules=("fusionpass.ops.rope", "fusionpass.kernels.rope"),
     )
 )

@@ -270,7 +270,6 @@ ROPE_ATTENTION = registry.register(
     Fusion(
         name="rope_attention",
         summary="q's rotary embedding applied as the attention kernel loads q",
-        when="inference (rope_attention_training: training too), rotate_half (rope_attention_interleaved: GPT-J's form too)",
         after=("flash_attention", "rope"),
         options=Options,
         matches=(
@@ -300,7 +299,5 @@ ROPE_ATTENTION = registry.register(
         ),
         replace=replace,
         unmatched="the attention's q is not a rotary embedding this fusion knows",
-        modules=("fusionpass.ops.flash_attention", "fusionpass.kernels.attention", "fusionpass.ops.rope",
-                 "fusionpass.kernels.rope"),
     )
 )

@@ -96,7 +96,6 @@ SDPA_MASK = registry.register(
     Fusion(
         name="sdpa_mask",
         summary="SDPA with a materialized boolean mask proven causal (-> is_causal=True) or all-true (-> no mask)",
-        when="always where the mask is proven",
         after=("flash_attention",),
         matches=(
             "F.scaled_dot_product_attention with a boolean mask built from index arithmetic "

@@ -146,7 +146,6 @@ SDPA_RUNTIME_CHECK = registry.register(
     Fusion(
         name="sdpa_runtime_check",
         summary="SDPA with a proven causal/all-true mask AND run-time key padding: the fast call when attention_mask is all true",
-        when="opt-in (attention_runtime_check), CPU graphs only",
         after=("flash_attention",),
         options=Options,
         settings_prefix="attention",

@@ -7,12 +7,10 @@ and act is F.silu or F.gelu(approximate="tanh") (Gemma's `gelu_pytorch_tanh`), a
 them. h is replaced by fusionpass::swiglu(x, W_gate, b_gate, W_up, b_up, act)[0]; Phi-3's fused
 weight is passed as two row slices (views). The down projection stays a library GEMM reading h.
 
-Cost rule (H200, bf16, K4096 N14336 through torch.compile, benchmarks/results/
-2026-11-30-h200-swiglu_mlp.md): selected for inference with at most DECODE_MAX_M (64) rows, known
-statically: the decode kernel reads both weights once at 3.9 TB/s, and the MLP step is 1.26-1.31x
-plain torch.compile wall time (1.04-1.06x under CUDA graphs). Not selected for more rows or for
-training: at M=8192 the library GEMMs plus the fused act*mul measured 0.99x inference and 1.00x
-training wall time with more peak memory (0.66 vs 0.44 GiB; 1.27 vs 1.05 GiB). Config
+Cost rule (ROWS; why: benchmarks/results/latest/swiglu_mlp.md): selected for decode-sized
+inference, at most the decode kernel's rows (kernels/swiglu.py, DECODE_MAX_M) known statically,
+where one kernel reads both weights once. Not selected for more rows or for training, where the
+library GEMMs with Inductor's fused act*mul are as fast and use less memory. Config
 .swiglu_mlp_kernel (FUSIONPASS_SWIGLU_MLP_KERNEL=1) selects it everywhere it matches.
 """
 from __future__ import annotations
@@ -25,6 +23,8 @@ import torch.nn.functional as F
 from torch import fx
 
 from fusionpass import registry
+from fusionpass.cost import Range, Switch, mode
+from fusionpass.kernels.swiglu import DECODE_MAX_M
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, Variant, option
 
@@ -33,10 +33,10 @@ _SILU = (F.silu,)
 _GELU = (F.gelu, torch._C._nn.gelu)
 SUPPORTED = ("silu", "gelu_tanh")
 
-LOSES = (
-    "measured no faster than plain torch.compile outside decode (M=8192: 0.99x inference, 1.00x "
-    "training, more memory); swiglu_mlp_kernel=True / FUSIONPASS_SWIGLU_MLP_KERNEL=1 selects it anyway"
-)
+# The cost rule (module docstring): decode-sized inference only, unless swiglu_mlp_kernel
+ANY_SIZE = Switch("swiglu_mlp_kernel")
+ROWS = Range("rows", training=None, inference=(None, DECODE_MAX_M))
+ANYWAY = "swiglu_mlp_kernel=True / FUSIONPASS_SWIGLU_MLP_KERNEL=1 selects it anyway"
 
 
 def _call(node, targets) -> bool:
@@ -176,19 +176,20 @@ device_supported = g.device_supported(lambda b: b["x"])
 
 
 def decode_rows(m: Match, cfg) -> str | None:
-    """Inference with at most DECODE_MAX_M rows, known statically (where it measured faster)."""
-    from fusionpass.kernels.swiglu import DECODE_MAX_M
-
-    if cfg.swiglu_mlp_kernel:
+    """ROWS: decode-sized inference, rows known statically; unless swiglu_mlp_kernel."""
+    if ANY_SIZE.on(cfg):
         return None
     x = g.tensor(m.bindings["x"])
     k = g.static_int(x.shape[-1])
     rows = g.static_int(x.numel()) // k if k and g.static_int(x.numel()) is not None else None
-    if g.tensor(m.bindings["h"]).requires_grad:
-        return f"training: {LOSES}"
-    if rows is None or rows > DECODE_MAX_M:
-        return f"{'symbolic' if rows is None else rows} rows > {DECODE_MAX_M}: {LOSES}"
-    return None
+    training = mode(g.tensor(m.bindings["h"]).requires_grad)
+    if training == "training":
+        why = ROWS.check(1, training, cfg)
+    elif rows is None:
+        why = "rows symbolic (the rule needs them static)"
+    else:
+        why = ROWS.check(rows, training, cfg)
+    return None if why is None else f"{why}; {ANYWAY}"
 
 
 def activation_supported(m: Match, cfg) -> str | None:
@@ -283,8 +284,7 @@ VARIANTS = (
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """swiglu_mlp: by default only decode-sized inference goes to fusionpass::swiglu, where it
-    measured faster (see the module docstring)."""
+    """swiglu_mlp: by default only decode-sized inference goes to fusionpass::swiglu (ROWS)."""
 
     kernel: bool = option(False, "route every match (prefill, training) to fusionpass::swiglu")
 
@@ -293,18 +293,16 @@ SWIGLU_MLP = registry.register(
     Fusion(
         name="swiglu_mlp",
         summary="`act(gate(x)) * up(x)` into the down projection (SiLU, GELU-tanh, Phi-3's fused gate_up)",
-        when='decode-sized inference (swiglu_mlp_kernel: every match)',
-        evidence='benchmarks/results/2026-11-30-h200-swiglu_mlp.md',
         options=Options,
+        cost=(ANY_SIZE, ROWS),
         matches=(
             "the gated MLP act(gate(x)) * up(x) (HF Llama/Mistral/Qwen2 SiLU, Gemma GELU-tanh, "
             "Phi-3's fused gate_up_proj + chunk), with or without biases; the down projection "
             "stays a library GEMM"
         ),
         selected_when=(
-            "inference with at most 64 rows known statically (decode; measured 1.26-1.31x), CUDA "
-            "tensors, one float dtype for x, weights and biases, SiLU or GELU-tanh; everywhere it "
-            "matches with swiglu_mlp_kernel=True"
+            "rows known statically, CUDA tensors, one float dtype for x, weights and biases, SiLU or "
+            "GELU-tanh"
         ),
         anchor=anchor,
         variants=VARIANTS,
@@ -320,6 +318,5 @@ SWIGLU_MLP = registry.register(
         replace=replace,
         unmatched="a product with an activation on one side, but not act(gate(x)) * up(x) of "
         "linears of one x (or of one linear's two chunks)",
-        modules=("fusionpass.ops.swiglu", "fusionpass.kernels.swiglu"),
     )
 )

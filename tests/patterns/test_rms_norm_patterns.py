@@ -456,7 +456,7 @@ NEAR_MISSES = [
     ("weight-shape-1xW", _broadcast_weight,
      f"weight_shape: weight of shape (1, {WIDTH}) is not one value per channel ({WIDTH},)"),
     ("width-256", lambda: (ResidualNorm(LlamaRMSNorm(width=256)), (inputs(FP32, width=256),) * 2),
-     "width: row width 256 < 512"),
+     "width: row width 256 outside 512.."),
     ("rstd-returned", lambda: (ReturnsRstd(), (inputs(FP32),)), "rstd has other users"),
     ("variance-returned", lambda: (ReturnsVariance(), (inputs(FP32),)),
      "intermediates: intermediate variance is used elsewhere"),
@@ -506,7 +506,7 @@ def test_normalized_returned_fp32_fuses_the_norm_without_weight():
 def test_near_miss_reports_module_path():
     _, _, record = fused_graph(block(LlamaRMSNorm, FP32), inputs(FP32), rms_norm_min_width=1024)
     assert sorted(w for _, w, _ in record.near_misses) == ["norm1", "norm2", "norm3"]
-    assert all("row width 512 < 1024" in why for _, _, why in record.near_misses)
+    assert all("row width 512 outside 1024.." in why for _, _, why in record.near_misses)
 
 
 def test_width_threshold_is_configurable():
@@ -514,7 +514,7 @@ def test_width_threshold_is_configurable():
     x = inputs(FP32, width=256)
     _, stats = compile_and_count(model, x)
     assert stats == {}
-    assert len(near_misses("width: row width 256 < 512")) == 3
+    assert len(near_misses("width: row width 256 outside 512..")) == 3
     got, stats = compile_and_count(model, x, train=True, rms_norm_min_width=64)
     assert stats == block_counts("llama")
     assert near_misses() == []
@@ -601,15 +601,15 @@ def forward(self, L_x_, L_r_, L_self_modules_norm_parameters_weight_):
     "width,train,reason",
     [
         (8192, True, None),
-        (8192, False, "row width 8192 > 4096: the kernel measured slower than Inductor there in inference"),
-        (16384, True, "row width 16384 > 8192: the kernel measured slower than Inductor there in training"),
+        (8192, False, "row width 8192 outside 2048..4096 in inference"),
+        (16384, True, "row width 16384 outside 2048..8192 in training"),
         (3072, True, None),
-        (3072, False, "row width 3072: in inference the forward's second chunk is partial"),
+        (3072, False, "row width 3072 in 2049..4095 in inference (the forward's second chunk is partial)"),
     ],
 )
 def test_width_rule_by_mode(width, train, reason):
-    """Training takes rows up to 8192, inference up to 4096 and not 2049..4095 (measured, see
-    fusionpass/config.py). The rule is read from the graph: no_grad makes it inference."""
+    """Training takes rows up to 8192, inference up to 4096 and not 2049..4095 (the default rule,
+    patterns/rms_norm.py WIDTH and PARTIAL_CHUNK). The rule is read from the graph: no_grad makes it inference."""
 
     class AddNorm(nn.Module):
         def __init__(self):

@@ -99,8 +99,8 @@ def test_bf16_agrees_with_plain_compile():
 
 @pytest.mark.parametrize("rows,train,why", [
     (6, False, None),  # decode-sized inference: selected by default
-    (6, True, "cost: training: measured no faster"),
-    (65, False, "cost: 65 rows > 64: measured no faster"),
+    (6, True, "cost: not selected in training; swiglu_mlp_kernel=True"),
+    (65, False, "cost: rows 65 > 64 in inference; swiglu_mlp_kernel=True"),
 ])
 def test_default_cost_rule(monkeypatch, rows, train, why):
     monkeypatch.delenv("FUSIONPASS_SWIGLU_MLP_KERNEL")
