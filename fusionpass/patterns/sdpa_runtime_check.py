@@ -149,6 +149,8 @@ SDPA_RUNTIME_CHECK = registry.register(
         after=("flash_attention",),
         options=Options,
         settings_prefix="attention",
+        # CPU only, so nothing to time on the GPU: why it is off on CUDA
+        evidence="docs/correctness.md",
         matches=(
             "F.scaled_dot_product_attention whose boolean mask is proven causal or all-true AND key "
             "padding from the run-time attention_mask -> torch.cond on one all-true check per forward: "
