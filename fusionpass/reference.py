@@ -26,12 +26,30 @@ def settings_by_fusion() -> dict[str, list]:
     return out
 
 
+def measured_gain(evidence: str) -> str:
+    """plain / fusionpass over the cases of the evidence's suite results (the .json beside its
+    .md, benchmarks/suite.py) that the default cost rule selects: "lo..hi x (n cases)", or "-"."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / evidence
+    if path.suffix != ".md" or not path.with_suffix(".json").exists():
+        return "-"
+    rows = json.loads(path.with_suffix(".json").read_text()).get("rows", [])
+    ratios = sorted(r["ratio"] for r in rows if r.get("default_rule") == "selects" and r.get("ratio"))
+    if not ratios:
+        return "-"
+    span = f"{ratios[0]:.2f}x" if len(ratios) == 1 else f"{ratios[0]:.2f}..{ratios[-1]:.2f}x"
+    return f"{span} ({len(ratios)} case{'s' if len(ratios) > 1 else ''})"
+
+
 def fusions_table() -> str:
     from fusionpass.registry import registered
 
-    rows = [(f"[`{name}`](docs/fusions.md#{name})", f.summary or f.matches, f.selection(), f"`{f.evidence}`")
-            for name, f in registered().items()]
-    return "\n".join(_table(("fusion", "what it matches", "selected", "measurements"), rows))
+    rows = [(f"[`{name}`](docs/fusions.md#{name})", f.summary or f.matches, f.selection(),
+             measured_gain(f.evidence), f"`{f.evidence}`") for name, f in registered().items()]
+    return "\n".join(_table(("fusion", "what it matches", "selected", "plain / fusionpass where selected",
+                              "measurements"), rows))
 
 
 def settings_table() -> str:
