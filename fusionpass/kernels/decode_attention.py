@@ -82,7 +82,7 @@ MAX_Q_LEN = 16
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 # Launch defaults by head dim: (BLOCK_N keys per step, num_warps, num_stages) of the split kernel.
-# First guesses, not measured (benchmarks/probes/decode_attention_kernel.py sweeps them on the H200).
+# First guesses, not tuned (benchmarks/probes/decode_attention_kernel.py, in git history as of 67836ab, sweeps them).
 _CFG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}
 _COMBINE_WARPS = 4
 _SPLIT_TILE = 16          # splits per step of the combine kernel
