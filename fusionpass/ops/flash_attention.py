@@ -276,12 +276,12 @@ def _backward(ctx, dout, _dlse):
     if rope_cos is not None:
         # the forward rotated q as it loaded it; the backward kernels read the rotated q, made
         # here (one rotation launch), and the gradient is rotated back (the transposed map)
-        q = torch.ops.fusionpass.rope(q, None, rope_cos, rope_sin, form, rotary_dim)[0]
+        q = torch.ops.fusionpass.rope(q, None, rope_cos, rope_sin, form=form, rotary_dim=rotary_dim)[0]
     dq, dk, dv = torch.ops.fusionpass.flash_attention_backward(
         dout, q, k, v, out, lse, key_padding=key_padding, key_bias=key_bias, seed=seed, **ctx.flags
     )
     if rope_cos is not None:
-        dq = torch.ops.fusionpass.rope_backward(dq, None, rope_cos, rope_sin, form, rotary_dim)[0]
+        dq = torch.ops.fusionpass.rope_backward(dq, None, rope_cos, rope_sin, form=form, rotary_dim=rotary_dim)[0]
     # out (saved) and dout may be token-major or otherwise strided: the kernels read their strides
     return dq, dk, dv, *(None,) * 5
 

@@ -2,7 +2,8 @@
 autograd for q and k (cos/sin are treated as constants: the pattern only matches where they do not
 require grad, and the backward refuses to run if they do).
 
-    rope(q, k, cos, sin, form, rotary_dim) -> (q_out, k_out)
+    rope(q, k, cos, sin, *, form, rotary_dim) -> (q_out, k_out)
+(the options keyword-only: the rewrites that read a call, rope_attention, read them by name)
 form: "rotate_half" (HF `x * cos + cat(-x2, x1) * sin`) or "interleaved" (GPT-J `rotate_every_two`);
 rotary_dim: the leading channels rotated (head_dim unless partial rotary), the rest copied.
 k may be None (one tensor rotated): k_out is then an empty tensor.
@@ -78,22 +79,22 @@ def _dispatch(q, k, cos, sin, form, rotary_dim, backward):
 
 @torch.library.triton_op("fusionpass::rope", mutates_args=())
 def rope(
-    q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, form: str, rotary_dim: int
+    q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, *, form: str, rotary_dim: int
 ) -> tuple[Tensor, Tensor]:
     return _dispatch(q, k, cos, sin, form, rotary_dim, False)
 
 
 @torch.library.triton_op("fusionpass::rope_backward", mutates_args=())
 def rope_backward(
-    dq: Tensor, dk: Tensor | None, cos: Tensor, sin: Tensor, form: str, rotary_dim: int
+    dq: Tensor, dk: Tensor | None, cos: Tensor, sin: Tensor, *, form: str, rotary_dim: int
 ) -> tuple[Tensor, Tensor]:
     return _dispatch(dq, dk, cos, sin, form, rotary_dim, True)
 
 
-def _setup(ctx, inputs, output):
-    _q, k, cos, sin, form, rotary_dim = inputs
+def _setup(ctx, inputs, keyword_only_inputs, output):
+    _q, k, cos, sin = inputs
     ctx.save_for_backward(cos, sin)
-    ctx.form, ctx.rotary_dim = form, rotary_dim
+    ctx.form, ctx.rotary_dim = keyword_only_inputs["form"], keyword_only_inputs["rotary_dim"]
     ctx.has_k = k is not None
 
 
@@ -102,9 +103,9 @@ def _backward(ctx, dq_out, dk_out):
         raise RuntimeError("fusionpass::rope does not differentiate cos/sin")
     cos, sin = ctx.saved_tensors
     dq, dk = torch.ops.fusionpass.rope_backward(
-        dq_out, dk_out if ctx.has_k else None, cos, sin, ctx.form, ctx.rotary_dim
+        dq_out, dk_out if ctx.has_k else None, cos, sin, form=ctx.form, rotary_dim=ctx.rotary_dim
     )
-    return dq, (dk if ctx.has_k else None), None, None, None, None
+    return dq, (dk if ctx.has_k else None), None, None
 
 
 rope.register_autograd(_backward, setup_context=_setup)

@@ -62,7 +62,7 @@ def _is_last_dim(dim, node) -> bool:
     return t is not None and isinstance(dim, int) and dim in (-1, t.dim() - 1)
 
 
-def _joined(node, name: str):
+def joined(node, name: str):
     """The tensor list of a cat/stack over the last dim, or None."""
     if not (isinstance(node, fx.Node) and node.op == "call_function"):
         return None
@@ -96,7 +96,7 @@ def _pair_slices(x1, x2, x, first, second) -> bool:
 
 def rotate_half(rot, x):
     """Nodes of rot = cat((-x[..., h:], x[..., :h]), -1), or None."""
-    parts = _joined(rot, "cat")
+    parts = joined(rot, "cat")
     if parts is None or len(parts) != 2:
         return None
     neg, x1 = parts
@@ -140,7 +140,7 @@ def _flattened(node):
 def interleaved(rot, x):
     """Nodes of rot = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2), or None."""
     stack = _flattened(rot)
-    parts = _joined(stack, "stack")
+    parts = joined(stack, "stack")
     if parts is None or len(parts) != 2:
         return None
     neg, x1 = parts
@@ -207,7 +207,7 @@ def _widened(x: fx.Node, out: fx.Node):
     if start not in (None, 0) or step not in (None, 1) or not isinstance(stop, int):
         return None
     cat = g.single_user(out)
-    parts = _joined(cat, "cat")
+    parts = joined(cat, "cat")
     if parts is None or len(parts) != 2 or parts[0] is not out:
         return None
     rest = _last_dim_slice(parts[1])
@@ -216,7 +216,7 @@ def _widened(x: fx.Node, out: fx.Node):
     return base, cat, parts[1], stop
 
 
-def _one(add: fx.Node, form):
+def rotated_tensor(add: fx.Node, form):
     """One rotated tensor: dict(x, out, cos, sin, rotary_dim, partial, nodes), or None."""
     found = _rotation(add, form)
     if found is None:
@@ -291,7 +291,7 @@ def _partner(first: dict, add: fx.Node, form):
     for other in _candidates(first, add):
         if getattr(other, "_erased", False):
             continue
-        second = _one(other, form)
+        second = rotated_tensor(other, form)
         if (
             second is not None
             and _same_value(second["cos"], first["cos"])
@@ -311,7 +311,7 @@ def _variant(form_name: str, partial: bool, single: bool) -> str:
 
 def _search(form_name, form, partial: bool, single: bool):
     def search(add: fx.Node) -> Match | None:
-        first = _one(add, form)
+        first = rotated_tensor(add, form)
         if first is None or bool(first["partial"]) != partial:
             return None
         second = _partner(first, add, form)
@@ -479,11 +479,19 @@ def cost_rule(m: Match, cfg) -> str | None:
 # replacement
 
 
+ROPE_ARGS = ("q", "k", "cos", "sin", "form", "rotary_dim")
+
+
+def rope_call_args(call: fx.Node) -> dict:
+    """A fusionpass::rope call's arguments by name."""
+    return g.call_args(call, ROPE_ARGS, {})
+
+
 def replace(graph: fx.Graph, m: Match, cfg) -> None:
     b = m.bindings
     before = _last_input(m, _order(graph)).next
-    args = (b["q"], b["k"], b["cos"], b["sin"], b["form"], b["rotary_dim"])
-    fused = g.insert_call(graph, before, torch.ops.fusionpass.rope.default, args, b["q_out"])
+    fused = g.insert_call(graph, before, torch.ops.fusionpass.rope.default, (b["q"], b["k"], b["cos"], b["sin"]),
+                          b["q_out"], kwargs=dict(form=b["form"], rotary_dim=b["rotary_dim"]))
     q_new, k_new = g.insert_getitems(graph, fused, 2)
     b["q_out"].replace_all_uses_with(q_new)
     if b["k_out"] is not None:

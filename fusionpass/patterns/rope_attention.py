@@ -54,7 +54,7 @@ def is_anchor(node) -> bool:
             and not _has_rope(node) and isinstance(node.args[0], fx.Node)):
         return False
     rotated = _walk(node.args[0])[0]
-    parts = rope_patterns._joined(rotated, "cat")
+    parts = rope_patterns.joined(rotated, "cat")
     return (rope_patterns.anchor(rotated) or bool(parts and rope_patterns.anchor(parts[0]))
             or _rope_call(rotated) is not None)
 
@@ -103,14 +103,14 @@ def _graph_rotation(rotated: fx.Node):
     """The patterns.rope description of `rotated` (dict with x, cos, sin, rotary_dim, form, nodes), or
     None: an add (full rotary) or the cat of a partial rotary."""
     starts = [rotated]
-    parts = rope_patterns._joined(rotated, "cat")
+    parts = rope_patterns.joined(rotated, "cat")
     if parts and len(parts) == 2:
         starts.append(parts[0])
     for start in starts:
         if not rope_patterns.anchor(start):
             continue
         for form_name, form in rope_patterns.FORMS:
-            found = rope_patterns._one(start, form)
+            found = rope_patterns.rotated_tensor(start, form)
             if found is not None and found["out"] is rotated:
                 return {**found, "form": form_name}
     return None
@@ -131,9 +131,9 @@ def _search_rope_call(call: fx.Node) -> Match | None:
     rope_call = _rope_call(rotated)
     if rope_call is None:
         return None
-    first, second, cos, sin, form, rotary_dim = rope_call.args
-    x = first if rotated.args[1] == 0 else second
-    bindings = dict(x=x, cos=cos, sin=sin, form=form, rotary_dim=rotary_dim, rotated=rotated, chain=chain,
+    a = rope_patterns.rope_call_args(rope_call)
+    x = a["q"] if rotated.args[1] == 0 else a["k"]
+    bindings = dict(x=x, cos=a["cos"], sin=a["sin"], form=a["form"], rotary_dim=a["rotary_dim"], rotated=rotated, chain=chain,
                     permuted=permuted, rope_call=rope_call, partial=False)
     return Match("rope_kernel", call, [rotated, *chain], bindings)
 
@@ -239,16 +239,16 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
 def _other_rotation_alone(graph: fx.Graph, rope_call: fx.Node) -> None:
     """fusionpass::rope(a, b, ...) of which one output is no longer read: the other (k) gets a call
     of its own."""
-    first, second, cos, sin, form, rotary_dim = rope_call.args
+    a = rope_patterns.rope_call_args(rope_call)
     live = [u for u in rope_call.users if u.target is operator.getitem and u.users]
     if len(live) != 1:
         return
     (out,) = live
-    if out.args[1] == 0 and second is None:
+    if out.args[1] == 0 and a["k"] is None:
         return  # a call for one tensor already
-    x = first if out.args[1] == 0 else second
-    alone = g.insert_call(graph, rope_call, torch.ops.fusionpass.rope.default, (x, None, cos, sin, form, rotary_dim),
-                          rope_call)
+    x = a["q"] if out.args[1] == 0 else a["k"]
+    alone = g.insert_call(graph, rope_call, torch.ops.fusionpass.rope.default, (x, None, a["cos"], a["sin"]),
+                          rope_call, kwargs=dict(form=a["form"], rotary_dim=a["rotary_dim"]))
     (new, _) = g.insert_getitems(graph, alone, 2)
     out.replace_all_uses_with(new)
     graph.erase_node(out)

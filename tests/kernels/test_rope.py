@@ -124,7 +124,7 @@ def test_op_autograd(form, dtype):
     rotary_dim = 8
     q, k, cos, sin = _inputs(dtype, rotary_dim, S=5, Hq=6, Hkv=2)
     qq, kk = q.detach().requires_grad_(), k.detach().requires_grad_()
-    q_out, k_out = torch.ops.fusionpass.rope(qq, kk, cos, sin, form, rotary_dim)
+    q_out, k_out = torch.ops.fusionpass.rope(qq, kk, cos, sin, form=form, rotary_dim=rotary_dim)
     dq_out, dk_out = torch.randn_like(q_out), torch.randn_like(k_out)
     torch.autograd.backward((q_out, k_out), (dq_out, dk_out))
     q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
@@ -138,7 +138,7 @@ def test_op_autograd(form, dtype):
 
 def test_op_single_tensor_and_reference():
     q, _, cos, sin = _inputs(FP32, 16)
-    q_out, k_out = torch.ops.fusionpass.rope(q, None, cos, sin, "rotate_half", 16)
+    q_out, k_out = torch.ops.fusionpass.rope(q, None, cos, sin, form="rotate_half", rotary_dim=16)
     assert k_out.numel() == 0
     _close(q_out, _ref(q, cos, sin, "rotate_half", 16), FP32, "q")
     # the torch reference (CPU without the interpreter) computes the same
@@ -149,6 +149,6 @@ def test_op_single_tensor_and_reference():
 def test_op_refuses_cos_gradients():
     q, k, cos, sin = _inputs(FP32, 16)
     cos = cos.detach().requires_grad_()
-    q_out, _ = torch.ops.fusionpass.rope(q.requires_grad_(), k, cos, sin, "rotate_half", 16)
+    q_out, _ = torch.ops.fusionpass.rope(q.requires_grad_(), k, cos, sin, form="rotate_half", rotary_dim=16)
     with pytest.raises(RuntimeError, match="cos/sin"):
         q_out.sum().backward()

@@ -97,7 +97,7 @@ def test_forward_equals_rotating_first(form, r):
     q, k, v = (t.detach() for t in inputs(torch.bfloat16))
     cos, sin = tables(form, r, torch.float32, True)
     fused, lse = call(q, k, v, cos, sin, form, r)
-    q_rot = ROPE(q, None, cos, sin, form, r)[0]
+    q_rot = ROPE(q, None, cos, sin, form=form, rotary_dim=r)[0]
     unfused, lse_unfused = OP(q_rot, k, v, scale=D**-0.5, causal=True)
     assert torch.equal(fused, unfused) and torch.equal(lse, lse_unfused)
 

@@ -171,7 +171,7 @@ def test_dynamic_sequence(opted_in):
 def test_graph_has_one_call(opted_in):
     gm, _, record = fused_graph(LlamaRope(), *_qk(), fusions=[FUSION])
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.fusionpass.rope.default]
-    assert len(calls) == 1 and calls[0].args[4:] == ("rotate_half", D)
+    assert len(calls) == 1 and calls[0].kwargs == {"form": "rotate_half", "rotary_dim": D}
     assert not any(n.target is torch.cat for n in gm.graph.nodes)
     assert record.matches == counts(rotate_half=1)
 
