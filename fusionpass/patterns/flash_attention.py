@@ -291,6 +291,28 @@ def _kernel_on(cfg) -> bool:
     return cfg.attention_kernel
 
 
+def _kernel_off(cfg) -> bool:
+    return not cfg.attention_kernel
+
+
+KERNEL_OPT_IN = "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1)"
+
+
+def _sliding_window_opt_in(node: fx.Node) -> Match | None:
+    """With the kernel route off: a proven sliding-window mask, which only this route takes (no SDPA
+    call without a mask computes it), is a near miss that names the setting."""
+    if not sdpa.is_sdpa(node):
+        return None
+    args = sdpa.sdpa_arguments(node)
+    mask = args["attn_mask"]
+    if not isinstance(mask, fx.Node) or args["is_causal"] is not False or g.dtype(mask) != torch.bool:
+        return None
+    found = masks.classify(mask)
+    if found.kind == "sliding_window":
+        raise NearMiss(f"{found.detail}: {KERNEL_OPT_IN}")
+    return None
+
+
 _UNMATCHED = "softmax(scores) @ values in a form this fusion has no rewrite for"
 
 
@@ -337,6 +359,7 @@ FLASH_ATTENTION = registry.register(
             Variant("sliding_window_kernel_padded", _kernel_search("sliding_window", True), when=_kernel_on),
             Variant("causal_kernel_padded", _kernel_search("causal", True), when=_kernel_on),
             Variant("none_kernel_padded", _kernel_search("none", True), when=_kernel_on),
+            Variant("sliding_window_opt_in", _sliding_window_opt_in, when=_kernel_off, reports_only=True),
         ),
         guards=(
             Guard("device", sdpa.query_device),

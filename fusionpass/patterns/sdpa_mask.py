@@ -25,10 +25,9 @@ from fusionpass.patterns import masks
 from fusionpass.patterns import sdpa
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
 
-KERNEL_OPT_IN = "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1)"
-# mask kinds that no SDPA call without a mask computes
+# mask kinds that no SDPA call without a mask computes (sliding windows are flash_attention's, which
+# reports them)
 _NO_FAST_CALL = {
-    "sliding_window": KERNEL_OPT_IN,
     "causal_offset": "query and key positions are offset (bottom-right causal) while SDPA's "
     "is_causal is top-left; fusionpass's attention kernel aligns bottom-right, but this route "
     "is not wired yet",
@@ -49,6 +48,8 @@ def _search(kind: str):
                 return None  # a per-key bias over a boolean mask: flash_attention's, which said why not
             raise NearMiss(f"attention mask of dtype {g.dtype(mask)} (an additive bias)")
         found = masks.classify(mask)
+        if found.kind == "sliding_window":
+            return None
         if found.kind in _NO_FAST_CALL:
             raise NearMiss(f"{found.detail}: {_NO_FAST_CALL[found.kind]}")
         if found.kind == "other":
