@@ -217,7 +217,7 @@ def attention_layers(family, shape, padding=None, **options):
     builds, from the conformance suite (fusionpass/conformance/cases_attention.py)."""
     from fusionpass.conformance import cases_attention
 
-    make = cases_attention._make(family, shape, padding, **options)
+    make = cases_attention.make_layers(family, shape, padding, **options)
     return lambda device, dtype: make(dtype, device)
 
 

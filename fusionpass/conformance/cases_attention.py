@@ -358,7 +358,7 @@ class StaticCacheDecode(nn.Module):
 # forms: how each family is built, and what it matches
 
 
-def _make(family, shape: Shape, padding: str | None = None, **options):
+def make_layers(family, shape: Shape, padding: str | None = None, **options):
     """make(dtype, device) for the conformance runner: the wrapper in `dtype` and its inputs (the
     hidden states, and the attention_mask where `padding` is given; a decode step also gets the
     cache length, and its attention_mask covers the tokens seen so far, as generate() passes it)."""
@@ -428,7 +428,7 @@ def _case(fusion, variant, form, dtype, shape, train, make, expect, config=None,
 def _cases(fusion, variant, form, family, expect, rows, config=None, **options) -> list[Case]:
     """One case per (dtype, shape, train, padding) row; `expect(train, shape, dtype)` gives its
     match counts. fp32 rows of a kernel route check that fp32 stays out (FP32_KEPT_OUT)."""
-    return [_case(fusion, variant, form, dtype, shape, train, _make(family, shape, padding, **options),
+    return [_case(fusion, variant, form, dtype, shape, train, make_layers(family, shape, padding, **options),
                   expect(train, shape, dtype), config, padding,
                   FP32_KEPT_OUT if dtype == FP32 and getattr(expect, "kernel_route", False) else None)
             for dtype, shape, train, padding in rows]
