@@ -123,7 +123,7 @@ def test_rope_kernel_call_keeps_k(monkeypatch):
 
 
 def _llama_graph():
-    """The Dynamo graph of a tiny Llama (inference) after `attention`, its flash calls, the config."""
+    """The Dynamo graph of a tiny Llama (inference) after flash_attention, its flash calls, the config."""
     from fusionpass import config as config_mod
 
     with torch.no_grad():

@@ -200,7 +200,7 @@ def inputs_for(padding_kind, **shape):
 
 
 def check(module, inputs, expected, train=False):
-    """Compile with the attention fusion only, assert the counts and near-miss reasons, and
+    """Compile with the attention fusions only (tests.helpers.ATTENTION), assert the counts and near-miss reasons, and
     compare outputs (and, in training, the gradients of q, k and v) with eager."""
     module.train(train)
     got, stats = compile_and_count(module, *inputs, fusions=ATTENTION, train=train)
