@@ -1,0 +1,29 @@
+"""transformers.Trainer with `torch_compile=True` inside `fusionpass.enabled()`: the Trainer's own
+compile (accelerate's torch.compile with the default backend) gets the fusions, and the loss falls.
+CPU, a tiny Llama; the cost rules are opened for its narrow rows."""
+import pytest
+import torch
+
+import fusionpass
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_trainer_compile_fuses_and_trains(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (64, 16))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=16, learning_rate=3e-3,
+        logging_steps=4, report_to=[], torch_compile=True, use_cpu=True, save_strategy="no",
+        dataloader_num_workers=0, disable_tqdm=True)
+    fusionpass.reset_stats()
+    with fusionpass.enabled(cpu=True, rms_norm_min_width=1):
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) >= 2 and losses[-1] < losses[0], losses
+    assert fusionpass.stats().get("rms_norm_residual", 0) > 0, fusionpass.stats()
