@@ -5,16 +5,17 @@ models, installed into torch.compile's Inductor as graph rewrites.
     model = torch.compile(model, backend=fusionpass.backend(fusions=["rms_norm_residual"]))
     with fusionpass.enabled():
         model = torch.compile(model, mode="max-autotune")
+    fusionpass.install()        # every Inductor compile in the process, until fusionpass.uninstall()
     print(fusionpass.explain(model, input_ids))
 """
 from fusionpass import ops as _ops  # noqa: F401  (registers the custom ops)
-from fusionpass.backend import backend, enabled, register as _register_backend
+from fusionpass.backend import backend, enabled, install, register as _register_backend, uninstall
 from fusionpass.config import Config
 from fusionpass.explain import Report, explain
 from fusionpass.passes import STATISTICS as _STATISTICS
 
 __version__ = "0.1.0"
-__all__ = ["backend", "enabled", "explain", "stats", "reset_stats", "Report", "Config", "FUSION_NAMES"]
+__all__ = ["backend", "enabled", "install", "uninstall", "explain", "stats", "reset_stats", "Report", "Config", "FUSION_NAMES"]
 
 _register_backend()
 

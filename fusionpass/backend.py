@@ -12,7 +12,7 @@ import functools
 import torch
 
 from fusionpass import config as config_mod
-from fusionpass.passes import chained
+from fusionpass.passes import PreGradFusionPass, chained
 
 
 class FusionpassBackend:
@@ -73,17 +73,44 @@ def register() -> None:
         dynamo_registry.register_backend(compiler_fn=fusionpass, name="fusionpass")
 
 
-@contextlib.contextmanager
-def enabled(fusions=None, **config_overrides):
-    """Fuse in the user's own `torch.compile(...)` calls made inside the block.
+def install(fusions=None, **config_overrides):
+    """Give every Inductor compile in this process the fusions, until `uninstall()`.
 
-    Compiles that happen in the block get our pass on Inductor's hook; `torch.compile` calls made in
-    the block that use Inductor (the default backend) are given the fusionpass backend with the
-    same mode/options, so models compiled in the block keep fusing when first run after it.
+    The pass goes on Inductor's own hook, so it reaches compiles that fusionpass never sees being
+    made: the default backend, accelerate/Trainer's `torch_compile=True`, Lightning, torchtitan's
+    per-block `torch.compile`, transformers' `generate()` compile. Calling it again replaces the
+    settings; a pass the user had on the hook keeps running after ours. Returns the Config.
     """
-    cfg = config_mod.make(fusions, **config_overrides)
     from torch._inductor import config as inductor_config
 
+    cfg = config_mod.make(fusions, **config_overrides)
+    inductor_config.pre_grad_custom_pass = chained(cfg, inductor_config.pre_grad_custom_pass)
+    return cfg
+
+
+def uninstall() -> None:
+    """Undo `install()`: the hook gets back what it held before (graphs compiled meanwhile keep
+    their fused code)."""
+    from torch._inductor import config as inductor_config
+
+    hook = inductor_config.pre_grad_custom_pass
+    if isinstance(hook, PreGradFusionPass):
+        inductor_config.pre_grad_custom_pass = hook.replaced
+
+
+@contextlib.contextmanager
+def enabled(fusions=None, **config_overrides):
+    """`install()` for the block only: fuse in the user's own `torch.compile(...)` calls.
+
+    Compiles that happen in the block get our pass on Inductor's hook. torch.compile is lazy, so
+    `torch.compile` calls made in the block that use Inductor (the default backend) are also given
+    the fusionpass backend with the same mode/options: models compiled in the block keep fusing
+    when first run after it.
+    """
+    from torch._inductor import config as inductor_config
+
+    previous = inductor_config.pre_grad_custom_pass
+    cfg = install(fusions, **config_overrides)
     original_compile = torch.compile
 
     @functools.wraps(original_compile)
@@ -92,12 +119,9 @@ def enabled(fusions=None, **config_overrides):
             backend = FusionpassBackend(cfg)
         return original_compile(model, *args, backend=backend, **kwargs)
 
-    previous = inductor_config.pre_grad_custom_pass
-    inductor_config.pre_grad_custom_pass = chained(cfg, previous)
     torch.compile = compile_with_fusions
     try:
         yield cfg
     finally:
         torch.compile = original_compile
         inductor_config.pre_grad_custom_pass = previous
-

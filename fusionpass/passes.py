@@ -38,9 +38,24 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from fusionpass import registry
 from fusionpass.config import Config
 
-# `logging.getLogger("fusionpass").setLevel(logging.DEBUG)`: one line per graph with the pass's own
-# time per fusion
+# TORCH_LOGS="fusionpass" (or logging.getLogger("fusionpass").setLevel(logging.INFO)): each graph's
+# matches and near misses as the pass makes them; "+fusionpass" (DEBUG) adds the pass's own time per
+# fusion. TORCH_LOGS takes any importable module's name; registering it also lets
+# torch._logging.set_logs and TORCH_LOGS="help" know it where torch has that (private) registry.
 _LOG = logging.getLogger("fusionpass")
+try:
+    torch._logging._internal.register_log("fusionpass", "fusionpass")
+except AttributeError:  # a torch without the registry: TORCH_LOGS still takes the module name
+    pass
+
+
+def _log_record(record: registry.Record, nodes: int) -> None:
+    if not _LOG.isEnabledFor(logging.INFO) or not (record.matches or record.near_misses):
+        return
+    matched = ", ".join(f"{f}/{v} x{n}" for (f, v), n in sorted(record.matches.items())) or "nothing"
+    _LOG.info("graph of %d nodes (compile %s): matched %s", nodes, record.compile_id, matched)
+    for fusion, where, reason in record.near_misses:
+        _LOG.info("  near miss: %s at %s: %s", fusion, where, reason)
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
@@ -142,9 +157,10 @@ STATISTICS = _Statistics()
 class PreGradFusionPass(CustomGraphPass):
     """`pre_grad_custom_pass`: runs every enabled fusion over the Dynamo graph."""
 
-    def __init__(self, config: Config, inner=None):
+    def __init__(self, config: Config, inner=None, replaced=None):
         self.config = config
         self.inner = inner  # a pass the user had installed on this hook before us
+        self.replaced = replaced  # the hook's value before us, as the user set it (uninstall)
 
     def __call__(self, graph: fx.Graph) -> None:
         import fusionpass.ops  # noqa: F401  (the custom ops the replacements call)
@@ -166,6 +182,7 @@ class PreGradFusionPass(CustomGraphPass):
             stable_topological_sort(graph)
             graph.lint()
             record.seconds["(sort and lint)"] = time.perf_counter() - start
+        _log_record(record, len(graph.nodes))
         _LOG.debug("fusionpass pass over %d nodes (compile %s): %.1f ms; %s", len(graph.nodes),
                    record.compile_id, 1e3 * sum(record.seconds.values()),
                    ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in record.seconds.items()))
@@ -195,10 +212,11 @@ class PreGradFusionPass(CustomGraphPass):
 def chained(config: Config, existing) -> PreGradFusionPass:
     """Our pass in front of whatever is on the hook already (never ourselves twice)."""
     if isinstance(existing, PreGradFusionPass):
-        existing = existing.inner
+        existing = existing.replaced
+    replaced = existing
     if isinstance(existing, (list, tuple)):
         existing = _Sequence(tuple(existing)) if existing else None
-    return PreGradFusionPass(config, existing)
+    return PreGradFusionPass(config, existing, replaced)
 
 
 class _Sequence(CustomGraphPass):

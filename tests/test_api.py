@@ -3,6 +3,7 @@ user's own pre-grad pass and its cache identity, stats()/reset_stats(), explain(
 environment overrides, and training with frozen weights or inputs without grad."""
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import json
 import os
@@ -11,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -243,6 +245,88 @@ def test_enabled_restores_on_error():
         raise RuntimeError("boom")
     assert torch.compile is original_compile
     assert inductor_config.pre_grad_custom_pass is previous_hook
+
+
+# install() / uninstall()
+
+
+def test_install_fuses_every_inductor_compile_until_uninstall(model, x):
+    """The default backend, a module's own .compile() (torchtitan's per-block form) and a backend
+    fusionpass never sees being made, all through Inductor's hook; nothing after uninstall()."""
+    original_compile = torch.compile
+    previous_hook = inductor_config.pre_grad_custom_pass
+    cfg = fusionpass.install(cpu=True)
+    try:
+        assert cfg.cpu and torch.compile is original_compile  # the hook alone, no wrapper
+        for compile_it in (torch.compile, lambda m: (m.compile(), m)[1]):
+            copied = copy.deepcopy(model)
+            with compiling():
+                got = run(compile_it(copied), copied, (x,), train=True)
+                assert fusionpass.stats(variants=True) == BLOCK_COUNTS
+            assert_outcomes_close(got, eager(model, x, train=True))
+        with compiling():
+            run(torch.compile(model, mode="max-autotune-no-cudagraphs"), model, (x,))
+            assert fusionpass.stats(variants=True) == BLOCK_COUNTS
+    finally:
+        fusionpass.uninstall()
+    assert inductor_config.pre_grad_custom_pass is previous_hook
+    with compiling():
+        run(torch.compile(model), model, (x,))
+        assert fusionpass.stats() == {}
+
+
+def test_install_twice_replaces_and_keeps_the_users_pass(model, x):
+    user = RecordingPass()
+    with inductor_config.patch(pre_grad_custom_pass=user):
+        fusionpass.install(cpu=True, fusions=[])
+        fusionpass.install(cpu=True)  # replaces the first: one pass of ours, then the user's
+        try:
+            with compiling():
+                run(torch.compile(model), model, (x,))
+                assert fusionpass.stats(variants=True) == BLOCK_COUNTS
+        finally:
+            fusionpass.uninstall()
+        assert inductor_config.pre_grad_custom_pass is user
+    assert user.seen == [FUSED_OPS]
+
+
+def test_enabled_inside_install_restores_the_install(model, x):
+    installed = fusionpass.install(cpu=True, fusions=[])
+    try:
+        with fusionpass.enabled(cpu=True):
+            pass
+        assert inductor_config.pre_grad_custom_pass.config == installed
+    finally:
+        fusionpass.uninstall()
+
+
+def test_uninstall_without_install_changes_nothing():
+    user = RecordingPass()
+    with inductor_config.patch(pre_grad_custom_pass=user):
+        fusionpass.uninstall()
+        assert inductor_config.pre_grad_custom_pass is user
+
+
+def test_torch_logs_shows_matches_and_near_misses():
+    """TORCH_LOGS="fusionpass" in a fresh process: a line per graph with its matches, and the near
+    misses with their reasons."""
+    script = textwrap.dedent('''
+        import torch, fusionpass
+        from fusionpass.demo import RMSNorm
+        class Norms(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.wide, self.narrow = RMSNorm(512), RMSNorm(64)
+            def forward(self, x, y):
+                return self.wide(x), self.narrow(y)
+        torch.compile(Norms(), backend=fusionpass.backend(cpu=True))(torch.randn(2, 512), torch.randn(2, 64))
+    ''')
+    env = {**os.environ, "TORCH_LOGS": "fusionpass", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "FUSIONPASS_RMS_NORM_MIN_WIDTH": "512"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"matched rms_norm_residual/\w+ x1", done.stderr), done.stderr[-3000:]
+    assert re.search(r"near miss: rms_norm_residual at narrow: .*64", done.stderr), done.stderr[-3000:]
 
 
 class EmbeddedBlock(nn.Module):
