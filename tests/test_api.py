@@ -563,7 +563,7 @@ def test_cli_list_json(capsys):
     (rms,) = [r for r in rows if r["fusion"] == FUSION]
     assert rms["status"] == "available"
     # the names stats() counts matches under (each form with and without the residual add)
-    assert rms["variants"] == [f"{form}{suffix}" for form in ("llama", "gemma", "weight_in_fp32", "no_weight")
+    assert rms["variants"] == [f"{form}{suffix}" for form in ("llama", "gemma", "weight_in_fp32", "no_weight", "torch_rms_norm")
                                for suffix in ("", "_no_residual")]
     assert rms["guards"] == ["device", "dtype", "weight_shape", "width", "strides", "intermediates"]
     assert rms["matches"] and rms["selected_when"]

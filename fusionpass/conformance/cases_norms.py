@@ -150,6 +150,13 @@ class NoWeightRMSNorm(nn.Module):
         return x.to(dtype)
 
 
+def TorchRMSNorm(width, eps=1e-6):
+    """`torch.nn.RMSNorm` (torchtitan's norm): one torch.rms_norm call in the Dynamo graph."""
+    norm = nn.RMSNorm(width, eps=eps)
+    norm.weight = _param(width, 1.0)
+    return norm
+
+
 # norm -> (class, variant for half dtypes, variant for fp32)
 RMS_NORMS = {
     "hf-llama": (LlamaRMSNorm, "llama", "llama"),
@@ -158,6 +165,7 @@ RMS_NORMS = {
     "olmo2": (Olmo2RMSNorm, "weight_in_fp32", "weight_in_fp32"),
     "plain": (PlainRMSNorm, None, "weight_in_fp32"),
     "no-weight": (NoWeightRMSNorm, "no_weight", "no_weight"),
+    "torch": (TorchRMSNorm, "torch_rms_norm", "torch_rms_norm"),
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -265,6 +273,9 @@ RMS_TABLE = [
     ("no-weight", "first", FP32, R1000),
     ("hf-llama", "prenorm", FP32, R4100),
     ("hf-llama", "stack", BF16, R1000),
+    ("torch", "first", BF16, R2048),
+    ("torch", "prenorm", FP16, R3001),
+    ("torch", "stack", BF16, R4096),
 ]
 RMS_INFER_TABLE = [
     # inference
@@ -279,6 +290,8 @@ RMS_INFER_TABLE = [
     ("plain", "prenorm", FP32, R2048),
     ("gemma", "first", FP32, R4096),
     ("hf-llama", "final", FP32, R1000),
+    ("torch", "prenorm", BF16, R4096),
+    ("torch", "first", FP32, R2048),
 ]
 
 # =============================================================================================

@@ -11,6 +11,8 @@ all (T5 multiplies bf16 h by fp32 rstd) compute the same n.
 from __future__ import annotations
 
 import dataclasses
+import functools
+
 import torch
 import torch.fx as fx
 
@@ -182,6 +184,8 @@ def _search(form_name, form, with_residual: bool):
     """The search of one output form, with the residual add before it fused or without one."""
 
     def search(rsqrt: fx.Node) -> Match | None:
+        if not g.is_op(rsqrt, "rsqrt"):  # the anchor is also torch.rms_norm's call
+            return None
         stats = _statistics(rsqrt)
         if stats is None:
             return None
@@ -220,6 +224,93 @@ def _search(form_name, form, with_residual: bool):
                 eps=eps,
                 weight_offset=offset,
                 weight_after_cast=after_cast,
+            ),
+        )
+
+    return search
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.rms_norm(input, normalized_shape, weight=None, eps=None): nn.RMSNorm, F.rms_norm
+
+TORCH_FORM = "torch_rms_norm"
+_TORCH_RMS_NORM_PARAMETERS = ("input", "normalized_shape", "weight", "eps")
+
+
+def is_torch_rms_norm(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is torch.rms_norm
+
+
+@functools.cache
+def torch_rms_norm_weight_after_cast() -> bool | None:
+    """Where this torch's rms_norm applies the weight: False before the downcast to the input
+    dtype (`cast(n * w)`, torch's `_fused_rms_norm` decomposition, which Inductor compiles with),
+    True after it (`cast(n) * w`, older composites), None if neither. Half-precision inputs tell
+    the two apart; it is read once from torch itself, on the CPU (every machine has one)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 256, generator=gen).bfloat16()
+    w = (1 + 0.1 * torch.randn(256, generator=gen)).bfloat16()
+    y = torch.rms_norm(x, (256,), w, 1e-6)
+    xf = x.float()
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    before, after = (n * w.float()).bfloat16(), n.bfloat16() * w
+    if torch.equal(y, before) and not torch.equal(y, after):
+        return False
+    if torch.equal(y, after) and not torch.equal(y, before):
+        return True
+    return None
+
+
+def _torch_rms_norm_arguments(node: fx.Node) -> dict:
+    arguments = {"weight": None, "eps": None, **dict(zip(_TORCH_RMS_NORM_PARAMETERS, node.args))}
+    arguments.update(node.kwargs)
+    return arguments
+
+
+def _last_dim_only(normalized_shape, h: fx.Node) -> bool:
+    """normalized_shape is (width,) of h's last dimension (the kernel normalizes rows)."""
+    if not isinstance(normalized_shape, (list, tuple)) or len(normalized_shape) != 1:
+        return False
+    width = g.static_int(g.tensor(h).shape[-1])
+    return width is not None and normalized_shape[0] == width
+
+
+def _torch_search(with_residual: bool):
+    """torch.rms_norm's call, with the residual add before it fused or without one."""
+
+    def search(node: fx.Node) -> Match | None:
+        if not is_torch_rms_norm(node):
+            return None
+        arguments = _torch_rms_norm_arguments(node)
+        h, weight, eps = arguments["input"], arguments["weight"], arguments["eps"]
+        if g.tensor(h) is None or (weight is not None and not isinstance(weight, fx.Node)):
+            return None
+        residual = _residual_operands(h)
+        if (residual is not None) != with_residual:
+            return None
+        if not _last_dim_only(arguments["normalized_shape"], h):
+            raise NearMiss("torch.rms_norm over more than the last dimension (the kernel normalizes rows)")
+        if eps is None:
+            # torch's default for float32/float16/bfloat16 inputs: the eps of the fp32 statistics
+            eps = torch.finfo(torch.float32).eps
+        elif not g.scalar(eps)[0]:
+            raise NearMiss("eps is a tensor, not a constant or a scalar graph input")
+        after_cast = torch_rms_norm_weight_after_cast()
+        if after_cast is None:
+            raise NearMiss("this torch's rms_norm applies its weight in neither known order")
+        return Match(
+            variant=TORCH_FORM if residual else f"{TORCH_FORM}_no_residual",
+            anchor=node,
+            nodes=[node, *([h] if residual else [])],
+            bindings=dict(
+                h=h,
+                residual=residual,
+                y=node,
+                weight=weight,
+                eps=eps,
+                weight_offset=0.0,
+                # in float32 both orders compute the same; in half dtypes the rounding differs
+                weight_after_cast=weight is not None and after_cast and g.dtype(h) != torch.float32,
             ),
         )
 
@@ -338,24 +429,29 @@ class Options:
 RMS_NORM_RESIDUAL = registry.register(
     Fusion(
         name="rms_norm_residual",
-        summary="RMSNorm (Llama/Mistral/Qwen/Phi-3, Gemma's `1 + w`, T5) with the residual add before it",
+        summary="RMSNorm (Llama/Mistral/Qwen/Phi-3, Gemma's `1 + w`, T5, `nn.RMSNorm`) with the residual add before it",
         options=Options,
         settings_prefix="rms_norm",
         cost=(WIDTH, PARTIAL_CHUNK),
         matches=(
             "RMSNorm (HF Llama/Mistral/Qwen2/Qwen3/Phi-3 `w * n.to(dtype)`, Gemma `1 + w` in fp32, "
-            "T5, plain fp32), with the residual add before it fused when there is one (variants "
-            "<form>; without one: <form>_no_residual); the sum is returned for the next residual"
+            "T5, plain fp32; torch_rms_norm: `nn.RMSNorm` / `F.rms_norm`, torchtitan's), with the "
+            "residual add before it fused when there is one (variants <form>; without one: "
+            "<form>_no_residual); the sum is returned for the next residual"
         ),
         selected_when=(
             "CUDA tensors, float32/float16/bfloat16 without dtype mixing, constant eps, "
             "per-channel weight; training: the norm is differentiated"
         ),
-        anchor=lambda node: g.is_op(node, "rsqrt"),
-        variants=tuple(
-            Variant(f"{name}{suffix}", _search(name, form, residual))
-            for name, form in OUTPUT_FORMS
-            for suffix, residual in (("", True), ("_no_residual", False))
+        anchor=lambda node: g.is_op(node, "rsqrt") or is_torch_rms_norm(node),
+        variants=(
+            *(
+                Variant(f"{name}{suffix}", _search(name, form, residual))
+                for name, form in OUTPUT_FORMS
+                for suffix, residual in (("", True), ("_no_residual", False))
+            ),
+            Variant(TORCH_FORM, _torch_search(True)),
+            Variant(f"{TORCH_FORM}_no_residual", _torch_search(False)),
         ),
         guards=(
             Guard("device", device_supported),

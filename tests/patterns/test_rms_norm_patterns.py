@@ -145,6 +145,26 @@ class OnePlusWeightAfterCast(nn.Module):
         return x.to(dtype) * (1 + self.weight)
 
 
+def torch_rms_norm(width=WIDTH, eps=EPS, affine=True):
+    """`torch.nn.RMSNorm` (torchtitan's norm): one torch.rms_norm call in the Dynamo graph."""
+    norm = nn.RMSNorm(width, eps=eps, elementwise_affine=affine)
+    if affine:
+        norm.weight = _weight(width)
+    return norm
+
+
+class FunctionalRMSNorm(nn.Module):
+    """`F.rms_norm(x, (width,), weight, eps)` with keyword arguments."""
+
+    def __init__(self, width=WIDTH, eps=EPS):
+        super().__init__()
+        self.weight = _weight(width)
+        self.eps = eps
+
+    def forward(self, x):
+        return nn.functional.rms_norm(x, (x.shape[-1],), weight=self.weight, eps=self.eps)
+
+
 class PreNormBlock(nn.Module):
     """A pre-norm layer and the final norm:
 
@@ -215,6 +235,12 @@ CASES = [
     ("one-plus-w-after-downcast-bf16", OnePlusWeightAfterCast, BF16, "llama"),
     ("no-weight-fp32", NoWeightRMSNorm, FP32, "no_weight"),
     ("no-weight-bf16", NoWeightRMSNorm, BF16, "no_weight"),
+    ("nn.RMSNorm-fp32", torch_rms_norm, FP32, "torch_rms_norm"),
+    ("nn.RMSNorm-bf16", torch_rms_norm, BF16, "torch_rms_norm"),
+    ("nn.RMSNorm-fp16", torch_rms_norm, FP16, "torch_rms_norm"),
+    ("nn.RMSNorm-eps-None-bf16", lambda: torch_rms_norm(eps=None), BF16, "torch_rms_norm"),
+    ("nn.RMSNorm-no-affine-fp32", lambda: torch_rms_norm(affine=False), FP32, "torch_rms_norm"),
+    ("F.rms_norm-kwargs-bf16", FunctionalRMSNorm, BF16, "torch_rms_norm"),
 ]
 
 
@@ -250,6 +276,37 @@ def test_norm_without_residual_alone():
     got, stats = compile_and_count(norm, x, train=True)
     assert stats == counts(llama_no_residual=1)
     assert_outcomes_close(got, eager(norm, x, train=True), BF16)
+
+
+def test_torch_rms_norm_weight_in_fp32_with_half_input():
+    """nn.RMSNorm kept in fp32 under a bf16 input (mixed precision without casting the norm):
+    torch multiplies the fp32 statistics by the fp32 weight and casts once, as the kernel does."""
+    model = ResidualNorm(torch_rms_norm())
+    x, r = inputs(BF16), inputs(BF16)
+    expected = eager(model, x, r, train=True)
+    got, stats = compile_and_count(model, x, r, train=True)
+    assert stats == counts(torch_rms_norm=1)
+    assert_outcomes_close(got, expected, BF16)
+
+
+def test_torch_rms_norm_over_two_dims_is_a_near_miss():
+    """normalized_shape of two dimensions: the kernel normalizes rows, so the call stays."""
+    norm = nn.RMSNorm((8, WIDTH), eps=EPS)
+    x = inputs(FP32)
+    got, stats = compile_and_count(norm, x, train=True)
+    assert stats == {}
+    assert [m[2] for m in near_misses()] == [
+        "torch.rms_norm over more than the last dimension (the kernel normalizes rows)"
+    ]
+    assert_outcomes_close(got, eager(norm, x, train=True), FP32)
+
+
+def test_torch_rms_norm_order_read_from_torch():
+    """This torch applies rms_norm's weight before the downcast (its _fused_rms_norm
+    decomposition); the variant reads the order from torch rather than assuming it."""
+    from fusionpass.patterns import rms_norm
+
+    assert rms_norm.torch_rms_norm_weight_after_cast() is False
 
 
 def test_sum_returned_for_next_residual():
