@@ -6,8 +6,10 @@ fusionpass, interleaved in one process. Its output is the only place current num
     python benchmarks/suite.py --readme     # README.md's performance table from the latest files
 
 Topics: one per fusion (KERNEL_TOPICS), `models` (training and inference steps of HF models built
-from configs, random weights) and `compile-time` (the first step of those same model runs, plain
-against fusionpass: no extra compiles). Each writes <out-dir>/<topic>.md and <topic>.json: date,
+from configs, random weights), `compile-time` (the first step of those same model runs, plain
+against fusionpass: no extra compiles) and `regional` (a torchtitan-style Llama training step under
+regional compilation: every block compiled on its own, the final norm + output + loss as one more
+compiled region; `python benchmarks/suite.py --only regional`). Each writes <out-dir>/<topic>.md and <topic>.json: date,
 GPU, versions, the command, then one row per case: plain ms, fusionpass ms, plain/fusionpass,
 peak memory where it matters, the match count of the topic's fusion, and whether the default cost
 rule selects the case. A case outside the rule is timed with the rule opened through the fusion's
@@ -420,6 +422,119 @@ def model_cases(smoke):
 
 
 # =============================================================================================
+# regional compilation: a torchtitan-style Llama (tests/torchtitan_model.py), block by block
+
+
+def torchtitan_model():
+    """tests/torchtitan_model.py: the model the regional-compilation tests use (tests/ is no
+    package: imported by path)."""
+    tests = str(ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import torchtitan_model
+
+    return torchtitan_model
+
+
+@dataclasses.dataclass
+class RegionalCase:
+    name: str
+    rope: str  # "complex" (torchtitan's view_as_complex) or "rotate_half" (the real form)
+    batch: int
+    seq: int
+    args: dict  # torchtitan_model.ModelArgs fields
+
+    @property
+    def mode(self) -> str:
+        return "train"
+
+
+def regional_cases(smoke):
+    """torchtitan's Llama 3 layout at the Llama model steps' widths (8 layers of h2048, ffn 8192,
+    16 heads of 128 over 8 KV heads) with Llama 3's vocabulary, trained block by block."""
+    if smoke:  # one narrow layer
+        args = dict(dim=128, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=256, vocab_size=256, max_seq_len=16)
+        batch, seq = 1, 16
+    else:
+        args = dict(dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+                    max_seq_len=2048, norm_eps=1e-5, rope_theta=500000.0)
+        batch, seq = 4, 2048
+    name = "torchtitan Llama 8L h2048 GQA 16/8 V128256, per-block compile + norm/output/loss region"
+    return [RegionalCase(f"{name}, {rope} RoPE", rope, batch, seq, args) for rope in ("complex", "rotate_half")]
+
+
+# the tiny smoke shapes are outside the GPU cost rules: open them so every code path runs
+REGIONAL_SMOKE_SETTINGS = dict(rms_norm_min_width=1, linear_cross_entropy_min_vocab=1, rope_min_tokens=1)
+
+
+def regional_rows(run: Run, cases: list[RegionalCase], budget_s: float | None) -> list[dict]:
+    """Plain torch.compile against fusionpass (every fusion, default settings), each applied to
+    the same regions: every TransformerBlock and the norm + output + loss region."""
+    tt = torchtitan_model()
+    rows, t0 = [], time.perf_counter()
+    warm_up_compiler(run.device)
+    dtype = torch.float32 if run.device == "cpu" else BF16
+    settings = REGIONAL_SMOKE_SETTINGS if run.smoke else {}
+    for i, case in enumerate(cases):
+        name = f"{case.name} B{case.batch} S{case.seq}" + (" (smoke: one narrow layer)" if run.smoke else "")
+        head = {"case": name, "mode": case.mode, "dtype": str(dtype).removeprefix("torch."),
+                "fusions": ["every fusion (default settings)"], "default_rule": "selects"}
+        say(f"  [regional {i + 1}/{len(cases)}] {name}, {case.mode}")
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            rows.append({**head, "skipped": f"the topic's budget of {budget_s:.0f} s was spent"})
+            say(f"    -> {_summary(rows[-1])}")
+            continue
+
+        def one(case=case, i=i):
+            torch.manual_seed(0)
+            model = tt.cast_parameters(_on(run.device, lambda: tt.make(rope=case.rope, **case.args)), dtype)
+            ids = torch.randint(0, case.args["vocab_size"], (case.batch, case.seq), device=run.device)
+            labels = torch.roll(ids, -1, dims=1)
+            return measure_regional(run, i, tt, model, ids, labels, settings)
+
+        rows.append(guarded(one, head))
+    return rows
+
+
+def measure_regional(run: Run, order: int, tt, model, ids, labels, settings) -> dict:
+    """measure() for a regionally compiled training step: each side compiles its own copy's
+    blocks and loss region (tt.RegionalTraining), timed interleaved. The blocks share one graph
+    (one compile, one block's matches), so `matched` counts per compiled graph, not per layer."""
+    copies = {"plain": model, "fusionpass": copy.deepcopy(model)}
+    backends = {"plain": "inductor", "fusionpass": run.backend(sorted(fusionpass.FUSION_NAMES), settings)}
+    torch._dynamo.reset()
+    steps = {}
+    for side, m in copies.items():
+        m.train(True)
+        step = tt.RegionalTraining(m, backend=backends[side], dynamic=False, fullgraph=True)
+        steps[side] = training_step(step, ids, labels, leaves=list(m.parameters()))
+    first_s, matched, pass_s = {}, {}, 0.0
+    sides = ["plain", "fusionpass"] if order % 2 == 0 else ["fusionpass", "plain"]
+    for side in sides:
+        fusionpass.reset_stats()
+        first_s[side] = first_call_seconds(steps[side], run.device)
+        if side == "fusionpass":
+            matched = fusionpass.stats()
+            graphs = len(STATISTICS.records)
+            pass_s = sum(STATISTICS.seconds.values())
+    say(f"    compiled ({', '.join(f'{k} {v:.1f} s' for k, v in first_s.items())}); matches {matched} "
+        f"in {graphs} graphs")
+    ms = time_interleaved(steps, run.device, **run.model_timing)
+    row = {
+        "plain_ms": round(ms["plain"], 4), "fusionpass_ms": round(ms["fusionpass"], 4),
+        "ratio": round(ms["plain"] / ms["fusionpass"], 3),
+        "matched": {f: n for f, n in matched.items() if n}, "graphs": graphs, "note": "",
+        "first_call_s": {k: round(v, 2) for k, v in first_s.items()}, "compiled_first": sides[0],
+        "pass_s": round(pass_s, 3),
+        "tokens_per_s": round(ids.numel() / ms["fusionpass"] * 1e3),
+    }
+    if run.device == "cuda":
+        row["plain_peak_mib"] = round(peak_memory(steps["plain"]) / 2**20, 1)
+        row["fusionpass_peak_mib"] = round(peak_memory(steps["fusionpass"]) / 2**20, 1)
+    return row
+
+
+# =============================================================================================
 # measuring
 
 
@@ -636,6 +751,7 @@ KERNEL_COLUMNS = [("case", "case"), ("mode", "mode"), ("dtype", "dtype"), ("plai
                   ("note", "note")]
 MODEL_COLUMNS = [c for c in KERNEL_COLUMNS if c[0] not in ("default_rule", "first_call_s")]
 MODEL_COLUMNS.insert(6, ("tokens_per_s", "fusionpass tokens/s"))
+REGIONAL_COLUMNS = [*MODEL_COLUMNS[:-1], ("graphs", "fusionpass graphs compiled"), MODEL_COLUMNS[-1]]
 COMPILE_COLUMNS = [("case", "model"), ("mode", "mode"), ("plain_s", "plain first step s"),
                    ("fusionpass_s", "fusionpass first step s"), ("added", "added (fusionpass / plain - 1)"),
                    ("pass_s", "fusionpass's own pass s"), ("compiled_first", "compiled first")]
@@ -672,6 +788,8 @@ def suite_environment() -> dict:
 
 
 TITLES = {"models": "model steps (every fusion, default settings)",
+          "regional": "regional compilation: torchtitan-style training steps, every block and the loss region "
+                      "compiled on their own (every fusion, default settings)",
           "compile-time": "first-step compile time of the model steps (plain torch.compile against fusionpass)"}
 
 
@@ -710,7 +828,7 @@ def compile_time_summary(rows) -> list[str]:
 
 README_BEGIN = "<!-- performance table: generated by `python benchmarks/suite.py --readme` from benchmarks/results/latest -->"
 README_END = "<!-- end of performance table -->"
-README_TOPICS = (*KERNEL_TOPICS, "models")
+README_TOPICS = (*KERNEL_TOPICS, "models", "regional")
 
 
 def readme_section(latest: pathlib.Path = LATEST) -> str:
@@ -755,7 +873,7 @@ def rewrite_readme(readme: pathlib.Path = ROOT / "README.md") -> None:
 
 
 def main(argv=None) -> int:
-    topics = [*KERNEL_TOPICS, "models", "compile-time"]
+    topics = [*KERNEL_TOPICS, "models", "compile-time", "regional"]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=None, help="comma-separated topics (kernels: every kernel topic): " + ", ".join(topics))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -812,6 +930,11 @@ def main(argv=None) -> int:
                                "Each first step is compile plus one step with the FX graph and AOT autograd caches "
                                "off, after a small warm-up compile; the side compiled first alternates by row. "
                                "fusionpass's own pass is its pattern matching, guards and rewrites.", ""])
+    if "regional" in chosen:
+        t0 = time.perf_counter()
+        say("topic regional")
+        rows = regional_rows(run, keep(regional_cases(args.smoke)), args.budget_s)
+        write_topic(out_dir, "regional", {**env, "seconds": round(time.perf_counter() - t0)}, rows, REGIONAL_COLUMNS)
     say(f"done in {time.perf_counter() - t_start:.0f} s")
     return 0
 

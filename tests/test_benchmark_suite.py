@@ -55,6 +55,28 @@ def test_smoke_run_writes_each_topic(tmp_path):
                 assert all(row["matched"].values()) and not row["note"], row
 
 
+def test_regional_smoke_run(tmp_path):
+    # the regional topic's cases (torchtitan-style, every block and the loss region compiled on
+    # their own) at one narrow layer: each row is measured, and the fusionpass side's blocks and
+    # loss region are two graphs that match the norms and the loss
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "suite.py"), "--smoke", "--device", "cpu",
+           "--only", "regional", "--out-dir", str(tmp_path)]
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / "regional.json").read_text())
+    assert "--only regional" in " ".join(data["environment"]["command"].split())
+    rows = data["rows"]
+    assert [r["case"].split(", ")[-1].split(" ")[0] for r in rows] == ["complex", "rotate_half"], rows
+    for row in rows:
+        assert "error" not in row and "skipped" not in row, row
+        assert row["plain_ms"] > 0 and row["fusionpass_ms"] > 0
+        assert row["graphs"] == 2, row
+        # both norms of the block and the final norm; the loss; the real rotation only
+        assert row["matched"]["rms_norm_residual"] == 3 and row["matched"]["linear_cross_entropy"] == 1, row
+        assert row["matched"].get("rope", 0) == (1 if "rotate_half" in row["case"] else 0), row
+
+
 def test_an_error_becomes_a_row():
     suite = _suite()
 
