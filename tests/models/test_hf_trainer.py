@@ -28,3 +28,41 @@ def test_trainer_compile_fuses_and_trains(tmp_path):
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) >= 2 and losses[-1] < losses[0], losses
     assert fusionpass.stats().get("rms_norm_residual", 0) > 0, fusionpass.stats()
+
+
+def test_accelerate_compile_regions_after_install():
+    """accelerate's regional compilation (`compile_regions`: a torch.compile per repeated block, the
+    rest on its own) calls torch.compile with the default backend: install() reaches it, and the
+    loss and gradients equal plain compile_regions'."""
+    from accelerate.utils import compile_regions
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 16))
+
+    def loss_and_grads(compiled):
+        model.zero_grad()
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    with compiling():
+        expected = loss_and_grads(compile_regions(model))
+        assert fusionpass.stats() == {}
+    torch._dynamo.reset()
+    fusionpass.install(cpu=True, rms_norm_min_width=1)
+    try:
+        with compiling():
+            got = loss_and_grads(compile_regions(model))
+            stats = fusionpass.stats(variants=True)
+    finally:
+        fusionpass.uninstall()
+    # a graph per decoder layer (each specializes on its layer_idx): its post-attention norm reads
+    # the residual sum, its input norm a graph input; the final norm is in the rest of the model
+    layers = config.num_hidden_layers
+    assert stats == {("rms_norm_residual", "llama"): layers, ("rms_norm_residual", "llama_no_residual"): layers + 1}, stats
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+    for name, grad in expected[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
