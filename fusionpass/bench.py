@@ -21,15 +21,19 @@ def _sync(device: str) -> None:
 
 
 def time_interleaved(
-    fns: dict[str, Callable[[], object]], device: str, rounds: int = 5, iters: int = 10, warmup: int = 3
+    fns: dict[str, Callable[[], object]], device: str, rounds: int = 5, iters: int = 10, warmup: int = 3,
+    on_round: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
-    """Median milliseconds per call of each fn; each round times every fn once, in turn."""
+    """Median milliseconds per call of each fn; each round times every fn once, in turn.
+    `on_round(i)` is called before round i (0-based) starts: progress for long runs."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     _sync(device)
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
+    for i in range(rounds):
+        if on_round is not None:
+            on_round(i)
         for name, fn in fns.items():
             if device == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 import torch
@@ -78,35 +79,124 @@ def cmd_explain(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    import fusionpass
-    from fusionpass.bench import inference_step, time_interleaved, training_step
-    from fusionpass.explain import fresh_compile_caches
+def _subject(args, device, dtype):
+    """The model `fusionpass bench` times: the built-in demo or a transformers model."""
+    from fusionpass.model_bench import Subject
 
-    model, ids = _model_and_inputs(args)
+    if args.model == "demo":
+        from fusionpass.demo import build
+
+        layers, width = args.layers or 2, args.width or 2048
+        model = build("demo", layers=layers, width=width).to(device=device, dtype=dtype)
+        return Subject(model, "causal-lm", model.lm_head.out_features, False,
+                       f"DemoLlama (fusionpass.demo, built in), layers {layers}, hidden {width}", "fusionpass.demo")
+    from fusionpass import hf_models
+
+    positions = args.seq + (args.new_tokens if "generate" in args.steps else 0)
+    built = hf_models.build(args.model, task=args.task, attn=args.attn, device=device, dtype=dtype,
+                            layers=args.layers, width=args.width, heads=args.heads, kv_heads=args.kv_heads,
+                            intermediate=args.intermediate, vocab=args.vocab, positions=positions)
+    return Subject.from_hf(built)
+
+
+def _settings(args) -> dict:
+    """fusionpass.backend(**settings) from --set NAME=VALUE."""
+    from fusionpass import config as config_mod
+
+    known = config_mod.settings()
+    settings = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if name not in known or not value:
+            raise SystemExit(f"--set {item}: expected NAME=VALUE with NAME one of {', '.join(known)}")
+        settings[name] = config_mod._parse(value, known[name].default)
+    return settings
+
+
+def cmd_bench(args) -> int:
+    import shlex
+
+    from fusionpass import bench_report, model_bench
+
+    if args.list_models:
+        from fusionpass import hf_models
+
+        print("\n".join(hf_models.families()))
+        return 0
+    if args.png:
+        bench_report.require_matplotlib()  # before the long run, not after it
+    args.steps = model_bench.STEPS if args.step == "all" else tuple(s.strip() for s in args.step.split(",") if s.strip())
+    if args.train:  # the older spelling
+        args.steps = ("train",)
     device = _device(args.device)
-    fusionpass.reset_stats()
-    torch._dynamo.reset()
-    plain = torch.compile(model)
-    fused = torch.compile(model, backend=fusionpass.backend(cpu=device == "cpu"))
-    leaves = [p for p in model.parameters() if p.requires_grad]
-    if args.train:
-        steps = {name: training_step(fn, ids, labels=ids, leaves=leaves)
-                 for name, fn in (("torch.compile", plain), ("fusionpass", fused))}
-    else:
-        steps = {"torch.compile": inference_step(plain, ids), "fusionpass": inference_step(fused, ids)}
-    with fresh_compile_caches():  # compile for real, so the match counts below are this model's
-        for run in steps.values():
-            run()
-    ms = time_interleaved(steps, device, rounds=args.rounds, iters=args.iters)
-    tokens = args.batch * args.seq
-    what = "training step" if args.train else "forward"
-    print(f"{args.model} {what}, batch {args.batch} x seq {args.seq}, {args.dtype}, {device}")
-    for name, t in ms.items():
-        print(f"  {name:<14} {t:9.3f} ms  {tokens / t * 1e3:12.0f} tokens/s")
-    print(f"  speedup {ms['torch.compile'] / ms['fusionpass']:.3f}x")
-    print(f"  matches {fusionpass.stats()}")
+    dtype = _dtype(args.dtype or ("bf16" if device == "cuda" else "fp32"))
+    torch.manual_seed(0)
+    subject = _subject(args, device, dtype)
+    opts = model_bench.Options(
+        steps=args.steps, batch=args.batch, seq=args.seq, new_tokens=args.new_tokens, cache=args.cache,
+        mode=args.mode, device=device, rounds=args.rounds, iters=args.iters, warmup=args.warmup,
+        ablation=args.ablation, open_cost_rules=args.open_cost_rules, settings=_settings(args),
+    )
+    result = model_bench.run(subject, opts)
+    command = "fusionpass " + shlex.join(args.argv)
+    table = bench_report.markdown(result, command)
+    print(table, end="")
+    if args.out:
+        pathlib.Path(args.out).write_text(table)
+    if args.json:
+        pathlib.Path(args.json).write_text(bench_report.to_json(result, command))
+    if args.png:
+        bench_report.write_png(result, args.png)
     return 0
+
+
+def bench_args(p) -> None:
+    from fusionpass.model_bench import MODES_OF_COMPILE, STEPS
+
+    what = p.add_argument_group("model")
+    what.add_argument("--model", default="demo", help="a transformers model type (llama, mistral, qwen2, gpt2, "
+                      "bert, bloom, falcon, gemma, ...: --list-models), a config.json (or its folder), or demo "
+                      "(built in)")
+    what.add_argument("--list-models", action="store_true", help="the model types transformers knows, and exit")
+    what.add_argument("--task", default=None, choices=["causal-lm", "masked-lm", "seq-cls"],
+                      help="the head (default: masked-lm for encoders, causal-lm for decoders, else seq-cls)")
+    what.add_argument("--attn", default=None, help="attention implementation (sdpa, eager; default: transformers')")
+    sizes = p.add_argument_group("sizes (default: the config's; what each changes: fusionpass/hf_models.py)")
+    sizes.add_argument("--layers", type=int, default=None, help="num_hidden_layers (and per-layer lists)")
+    sizes.add_argument("--width", type=int, default=None,
+                       help="hidden_size; heads follow it at the config's head_dim, kv heads keep their "
+                       "ratio, feed-forward sizes scale with it")
+    sizes.add_argument("--heads", type=int, default=None, help="query heads (head_dim = width / heads)")
+    sizes.add_argument("--kv-heads", type=int, default=None, help="key/value heads")
+    sizes.add_argument("--intermediate", type=int, default=None, help="feed-forward size")
+    sizes.add_argument("--vocab", type=int, default=None, help="vocab_size")
+    sizes.add_argument("--batch", type=int, default=4)
+    sizes.add_argument("--seq", type=int, default=512, help="tokens per sequence (generate: the prompt)")
+    run = p.add_argument_group("steps and timing")
+    run.add_argument("--step", default="train,infer", help=f"comma-separated, of {', '.join(STEPS)}; or all "
+                     "(generate: causal LMs only)")
+    run.add_argument("--train", action="store_true", help=argparse.SUPPRESS)  # = --step train
+    run.add_argument("--new-tokens", type=int, default=32, help="generate: greedy tokens per sequence")
+    run.add_argument("--cache", default="static", choices=["static", "dynamic"], help="generate's KV cache")
+    run.add_argument("--mode", default=None, choices=MODES_OF_COMPILE,
+                     help="torch.compile mode, the same for plain and fusionpass")
+    run.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                     help="default: bf16 on CUDA, fp32 on CPU")
+    run.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    run.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median)")
+    run.add_argument("--iters", type=int, default=10, help="calls per round (generate: 1)")
+    run.add_argument("--warmup", type=int, default=2, help="untimed calls of each version first")
+    run.add_argument("--ablation", action="store_true",
+                     help="also each fusion that matched alone (with the matched fusions it runs after)")
+    fp = p.add_argument_group("fusionpass")
+    fp.add_argument("--open-cost-rules", action="store_true",
+                    help="open every cost-rule bound (tiny CPU runs; the rules are GPU measurements)")
+    fp.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a fusionpass setting (fusionpass list), repeatable")
+    out = p.add_argument_group("output (the markdown table always goes to stdout, progress to stderr)")
+    out.add_argument("--out", default=None, metavar="FILE.md")
+    out.add_argument("--json", default=None, metavar="FILE")
+    out.add_argument("--png", default=None, metavar="FILE", help="a chart (needs matplotlib: the bench extra)")
 
 
 def main(argv=None) -> int:
@@ -132,10 +222,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_explain)
 
-    p = sub.add_parser("bench", help="time plain torch.compile against fusionpass on a model (the full suite: benchmarks/suite.py)")
-    model_args(p, 4, 512)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--iters", type=int, default=10)
+    p = sub.add_parser("bench", help="time plain torch.compile against fusionpass on a model: training, "
+                       "inference, generate (the full suite: benchmarks/suite.py)")
+    bench_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("list", help="the fusions, what each matches and when it is selected")
@@ -153,6 +242,7 @@ def main(argv=None) -> int:
 
         return check(argv[1:])
     args = parser.parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 
