@@ -116,7 +116,7 @@ def require_matplotlib():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise RuntimeError("--png needs matplotlib: pip install 'fusionpass[bench]' (or pip install matplotlib)") from e
+        raise ImportError("--png needs matplotlib: pip install 'fusionpass[bench]' (or pip install matplotlib)") from e
     return plt
 
 

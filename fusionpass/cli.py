@@ -123,15 +123,16 @@ def cmd_bench(args) -> int:
 
         print("\n".join(hf_models.families()))
         return 0
-    if args.png:
-        bench_report.require_matplotlib()  # before the long run, not after it
-    args.steps = model_bench.STEPS if args.step == "all" else tuple(s.strip() for s in args.step.split(",") if s.strip())
-    if args.train:  # the older spelling
-        args.steps = ("train",)
-    device = _device(args.device)
-    dtype = _dtype(args.dtype or ("bf16" if device == "cuda" else "fp32"))
-    torch.manual_seed(0)
-    subject = _subject(args, device, dtype)
+    try:
+        if args.png:
+            bench_report.require_matplotlib()  # before the long run, not after it
+        args.steps = ("train",) if args.train else model_bench.parse_steps(args.step)  # --train: the older spelling
+        device = _device(args.device)
+        dtype = _dtype(args.dtype or ("bf16" if device == "cuda" else "fp32"))
+        torch.manual_seed(0)
+        subject = _subject(args, device, dtype)
+    except (ValueError, FileNotFoundError, ImportError) as e:  # the user's arguments: a message, no traceback
+        raise SystemExit(f"fusionpass bench: {e}") from e
     opts = model_bench.Options(
         steps=args.steps, batch=args.batch, seq=args.seq, new_tokens=args.new_tokens, cache=args.cache,
         mode=args.mode, device=device, rounds=args.rounds, iters=args.iters, warmup=args.warmup,

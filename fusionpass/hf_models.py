@@ -50,7 +50,7 @@ def _transformers():
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise RuntimeError("a transformers model needs transformers: pip install transformers") from e
+        raise ImportError("a transformers model needs transformers: pip install transformers") from e
     return transformers
 
 

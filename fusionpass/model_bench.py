@@ -267,10 +267,16 @@ def measure_step(work: Workload, step: str) -> list[dict]:
     return out
 
 
+def parse_steps(text: str) -> tuple[str, ...]:
+    """`train,infer` -> ("train", "infer"); `all`: every step."""
+    steps = STEPS if text.strip() == "all" else tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown or not steps:
+        raise ValueError(f"unknown step(s) {unknown or text!r}; known: {', '.join(STEPS)}, all")
+    return steps
+
+
 def run(subject: Subject, opts: Options) -> Result:
-    unknown = [s for s in opts.steps if s not in STEPS]
-    if unknown:
-        raise ValueError(f"unknown step(s) {unknown}; known: {', '.join(STEPS)}")
     notes = []
     if opts.device != "cuda":
         notes.append("peak memory is measured on CUDA only (torch.cuda.max_memory_allocated above what "
