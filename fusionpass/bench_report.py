@@ -87,7 +87,9 @@ def markdown(result, command: str) -> str:
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in result.rows]
     lines += ["", "train: forward + loss + backward (no optimizer); infer: forward without grad; generate: "
               "tokens/s counts the new tokens. vs torch.compile: plain ms / this ms (above 1x: faster). "
-              "matches: the fusions fusionpass made in this version's compile."]
+              "matches: the fusions fusionpass made in this version's compile."
+              + (" only X: fusionpass with fusion X alone (+ the matched fusions it runs after, whose "
+                 "rewrites it reads)." if any(r["version"].startswith("only ") for r in result.rows) else "")]
     return "\n".join(lines) + "\n"
 
 
@@ -101,7 +103,7 @@ def to_json(result, command: str) -> str:
         "options": {"steps": list(opts.steps), "batch": opts.batch, "seq": opts.seq,
                     "new_tokens": opts.new_tokens, "cache": opts.cache, "mode": opts.mode or "default",
                     "device": opts.device, "rounds": opts.rounds, "iters": opts.iters, "warmup": opts.warmup,
-                    "ablation": opts.ablation, "open_cost_rules": opts.open_cost_rules,
+                    "ablation": list(opts.ablation), "open_cost_rules": opts.open_cost_rules,
                     "settings": opts.backend_settings()},
         "notes": result.notes,
         "rows": result.rows,

@@ -127,6 +127,8 @@ def cmd_bench(args) -> int:
         if args.png:
             bench_report.require_matplotlib()  # before the long run, not after it
         args.steps = ("train",) if args.train else model_bench.parse_steps(args.step)  # --train: the older spelling
+        ablation = () if args.ablation is None else (
+            args.steps if args.ablation == "all" else model_bench.parse_steps(args.ablation))
         device = _device(args.device)
         dtype = _dtype(args.dtype or ("bf16" if device == "cuda" else "fp32"))
         torch.manual_seed(0)
@@ -136,7 +138,7 @@ def cmd_bench(args) -> int:
     opts = model_bench.Options(
         steps=args.steps, batch=args.batch, seq=args.seq, new_tokens=args.new_tokens, cache=args.cache,
         mode=args.mode, device=device, rounds=args.rounds, iters=args.iters, warmup=args.warmup,
-        ablation=args.ablation, open_cost_rules=args.open_cost_rules, settings=_settings(args),
+        ablation=ablation, open_cost_rules=args.open_cost_rules, settings=_settings(args),
     )
     result = model_bench.run(subject, opts)
     command = "fusionpass " + shlex.join(args.argv)
@@ -187,8 +189,9 @@ def bench_args(p) -> None:
     run.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median)")
     run.add_argument("--iters", type=int, default=10, help="calls per round (generate: 1)")
     run.add_argument("--warmup", type=int, default=2, help="untimed calls of each version first")
-    run.add_argument("--ablation", action="store_true",
-                     help="also each fusion that matched alone (with the matched fusions it runs after)")
+    run.add_argument("--ablation", nargs="?", const="all", default=None, metavar="STEPS",
+                     help="also time each fusion that matched alone (with the matched fusions it runs after), "
+                     "in every step or in the comma-separated STEPS (each is a compile per matched fusion)")
     fp = p.add_argument_group("fusionpass")
     fp.add_argument("--open-cost-rules", action="store_true",
                     help="open every cost-rule bound (tiny CPU runs; the rules are GPU measurements)")

@@ -60,7 +60,7 @@ class Options:
     rounds: int = 5
     iters: int = 10  # calls per round and version (generate: one call per round)
     warmup: int = 2
-    ablation: bool = False
+    ablation: tuple[str, ...] = ()  # the steps that also time each matched fusion alone
     open_cost_rules: bool = False  # open_cost_rules() under `settings`
     settings: dict = dataclasses.field(default_factory=dict)  # fusionpass.backend(**settings)
 
@@ -238,7 +238,7 @@ def measure_step(work: Workload, step: str) -> list[dict]:
     for version in versions:
         runs[version.name] = work.step(step, work.compile(step, version))
         rows[version.name] = _first_call(step, version, runs[version.name], opts.device)
-    if opts.ablation:
+    if step in opts.ablation:
         matched = rows[FUSIONPASS]["matches"]
         for fusion in (f for f in registry.registered() if matched.get(f)):  # in run order
             fusions = with_dependencies(fusion, matched)
