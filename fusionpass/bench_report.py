@@ -87,6 +87,7 @@ def markdown(result, command: str) -> str:
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in result.rows]
     lines += ["", "train: forward + loss + backward (no optimizer); infer: forward without grad; generate: "
               "tokens/s counts the new tokens. vs torch.compile: plain ms / this ms (above 1x: faster). "
+              "first call s: its compile and one step, caches off, in the table's order. "
               "matches: the fusions fusionpass made in this version's compile."
               + (" only X: fusionpass with fusion X alone (+ the matched fusions it runs after, whose "
                  "rewrites it reads)." if any(r["version"].startswith("only ") for r in result.rows) else "")]

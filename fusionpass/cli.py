@@ -84,12 +84,7 @@ def _subject(args, device, dtype):
     from fusionpass.model_bench import Subject
 
     if args.model == "demo":
-        from fusionpass.demo import build
-
-        layers, width = args.layers or 2, args.width or 2048
-        model = build("demo", layers=layers, width=width).to(device=device, dtype=dtype)
-        return Subject(model, "causal-lm", model.lm_head.out_features, False,
-                       f"DemoLlama (fusionpass.demo, built in), layers {layers}, hidden {width}", "fusionpass.demo")
+        return Subject.demo(args.layers or 2, args.width or 2048, device, dtype)
     from fusionpass import hf_models
 
     positions = args.seq + (args.new_tokens if "generate" in args.steps else 0)

@@ -56,9 +56,9 @@ def _transformers():
 
 def families() -> list[str]:
     """Every model type the installed transformers can build a config for."""
+    _transformers()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    _transformers()
     return sorted(CONFIG_MAPPING_NAMES)
 
 
@@ -74,9 +74,9 @@ def base_config(model: str) -> tuple[dict, str]:
         if "model_type" not in data:
             raise ValueError(f"{path} has no model_type: not a transformers config.json")
         return data, str(path)
+    _transformers()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    _transformers()
     if model not in CONFIG_MAPPING:
         close = difflib.get_close_matches(model.lower(), families(), n=5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -102,6 +102,11 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     while n % d:
         d -= 1
     return d
+
+
+def _feed_forward_key(config: dict) -> str | None:
+    """The config's (first) feed-forward size: the one --intermediate sets."""
+    return next((k for k in FEED_FORWARD_KEYS if k in config), None)
 
 
 def resize(config: dict, config_class, *, layers=None, width=None, heads=None, kv_heads=None,
@@ -133,6 +138,8 @@ def resize(config: dict, config_class, *, layers=None, width=None, heads=None, k
 
     old_width, old_heads = get("hidden_size"), get("num_attention_heads")
     new_width = width if width is not None else old_width
+    if width is not None:
+        put("hidden_size", width)
     if (width is not None or heads is not None or kv_heads is not None) and old_width and old_heads:
         # Llama, Gemma, Qwen3 store head_dim (it may differ from width / heads); the others derive it
         explicit_head_dim = bool(d.get("head_dim"))
@@ -148,7 +155,6 @@ def resize(config: dict, config_class, *, layers=None, width=None, heads=None, k
         kv_key = next((k for k in KV_HEAD_KEYS if d.get(k)), None)
         old_kv = d[kv_key] if kv_key else old_heads
         group = max(1, old_heads // old_kv)  # query heads per key/value head, kept
-        put("hidden_size", new_width)
         put("num_attention_heads", heads)
         if kv_heads is not None:
             if heads % kv_heads:
@@ -159,15 +165,16 @@ def resize(config: dict, config_class, *, layers=None, width=None, heads=None, k
             put(kv_key, kv_heads)
         elif kv_key:
             put(kv_key, _largest_divisor_at_most(heads, max(1, heads // group)))
-        if width is not None:
-            for k in FEED_FORWARD_KEYS:
-                if isinstance(d.get(k), int):
-                    put(k, _round8(d[k] * new_width / old_width))
+    if width is not None and old_width:
+        for k in FEED_FORWARD_KEYS:
+            if isinstance(d.get(k), int) and not (intermediate is not None and k == _feed_forward_key(d)):
+                put(k, _round8(d[k] * new_width / old_width))
 
     if intermediate is not None:
-        k = next((k for k in FEED_FORWARD_KEYS if k in d), None)
+        k = _feed_forward_key(d)
         if k is None:
-            raise ValueError(f"{config.get('model_type')} has no feed-forward size to set ({', '.join(FEED_FORWARD_KEYS)})")
+            raise ValueError(f"{config.get('model_type')} has no feed-forward size to set "
+                             f"({', '.join(FEED_FORWARD_KEYS)})")
         put(k, intermediate)
     if vocab is not None:
         put("vocab_size", vocab)
@@ -210,12 +217,15 @@ class BuiltModel:
 
     def describe(self) -> str:
         c = self.config
-        kv = next((getattr(c, k) for k in KV_HEAD_KEYS if getattr(c, k, None)), c.num_attention_heads)
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        heads = getattr(c, "num_attention_heads", None)
+        sizes = [f"layers {getattr(c, 'num_hidden_layers', '?')}", f"hidden {getattr(c, 'hidden_size', '?')}"]
+        if heads:
+            kv = next((getattr(c, k) for k in KV_HEAD_KEYS if getattr(c, k, None)), heads)
+            head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+            sizes.append(f"heads {heads}/{kv} (q/kv), head_dim {head_dim}")
         params = sum(p.numel() for p in self.model.parameters())
-        return (f"{type(self.model).__name__} ({self.auto_class}), layers {c.num_hidden_layers}, hidden "
-                f"{c.hidden_size}, heads {c.num_attention_heads}/{kv} (q/kv), head_dim {head_dim}, vocab "
-                f"{c.vocab_size}, {params / 1e6:.1f}M parameters, attention {c._attn_implementation}")
+        return (f"{type(self.model).__name__} ({self.auto_class}), {', '.join(sizes)}, vocab {c.vocab_size}, "
+                f"{params / 1e6:.1f}M parameters, attention {c._attn_implementation}")
 
 
 def build(model: str, *, task=None, attn=None, device="cpu", dtype=None, **overrides) -> BuiltModel:

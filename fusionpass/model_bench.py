@@ -19,7 +19,8 @@ import torch
 
 import fusionpass
 from fusionpass import registry
-from fusionpass.bench import first_call_seconds, inference_step, peak_memory, time_interleaved, training_step
+from fusionpass.bench import (first_call_seconds, inference_step, peak_memory, time_interleaved, training_step,
+                              warm_up_compiler)
 from fusionpass.cost import MODES, Range
 from fusionpass.explain import fresh_compile_caches
 
@@ -44,8 +45,22 @@ class Subject:
 
     @classmethod
     def from_hf(cls, built) -> Subject:
+        """A `fusionpass.hf_models.BuiltModel`."""
         return cls(built.model, built.task, built.config.vocab_size, built.can_generate, built.describe(),
                    built.source, built.changes)
+
+    @classmethod
+    def demo(cls, layers: int, width: int, device: str, dtype: torch.dtype) -> Subject:
+        """The built-in Llama-style model (no transformers): train and infer, no generate()."""
+        from fusionpass.demo import build
+
+        model = build("demo", layers=layers, width=width).to(device=device, dtype=dtype)
+        return cls(model, "causal-lm", model.lm_head.out_features, False,
+                   f"DemoLlama (fusionpass.demo, built in), layers {layers}, hidden {width}", "fusionpass.demo")
+
+    def why_no_generate(self) -> str:
+        return (f"{self.task} models do not generate (a causal LM does)" if self.task != "causal-lm"
+                else f"{type(self.model).__name__} has no generate()")
 
 
 @dataclasses.dataclass
@@ -132,7 +147,8 @@ def with_dependencies(fusion: str, matched) -> tuple[str, ...]:
 
 
 class Workload:
-    """The inputs of every step, made once, so that every version reads the same tensors."""
+    """The inputs of every step (made once: every version reads the same tensors), and each
+    version's compiled step."""
 
     def __init__(self, subject: Subject, opts: Options):
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -288,10 +304,11 @@ def run(subject: Subject, opts: Options) -> Result:
     rows = []
     torch._dynamo.reset()
     t0 = time.perf_counter()
+    warm_up_compiler(opts.device)  # the first version's first call should not pay Inductor's start
     with _compiling_every_version():
         for step in opts.steps:
             if step == "generate" and not subject.can_generate:
-                notes.append(f"generate skipped: {subject.task} models do not generate (a causal LM does)")
+                notes.append(f"generate skipped: {subject.why_no_generate()}")
                 say(notes[-1])
                 continue
             rows.extend(measure_step(work, step))
