@@ -16,13 +16,13 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from fusionpass import bench_report, cli, hf_models, model_bench  # noqa: E402
+from fusionpass import bench, cli, demo  # noqa: E402
 
 TINY = ["--layers", "1", "--width", "64", "--seq", "16", "--batch", "2", "--vocab", "256", "--device", "cpu",
         "--rounds", "1", "--iters", "1", "--warmup", "0", "--open-cost-rules"]
 
 
-def bench(capsys, *args) -> str:
+def run_bench(capsys, *args) -> str:
     assert cli.main(["bench", *args]) == 0
     captured = capsys.readouterr()
     assert "[fusionpass bench] done in" in captured.err  # progress goes to stderr
@@ -36,8 +36,8 @@ def table_rows(out: str) -> list[list[str]]:
 
 
 def test_llama_train_generate(capsys, tmp_path):
-    out = bench(capsys, "--model", "llama", *TINY, "--step", "train,generate", "--new-tokens", "2",
-                "--json", str(tmp_path / "bench.json"), "--out", str(tmp_path / "bench.md"))
+    out = run_bench(capsys, "--model", "llama", *TINY, "--step", "train,generate", "--new-tokens", "2",
+                    "--json", str(tmp_path / "bench.json"), "--out", str(tmp_path / "bench.md"))
     # the header: date, device, versions, the command
     assert re.match(r"fusionpass bench, \d{4}-\d\d-\d\d, cpu .*torch .*triton .*transformers 5\.", out), out
     assert "`fusionpass bench --model llama --layers 1" in out
@@ -69,7 +69,7 @@ def test_llama_train_generate(capsys, tmp_path):
 
 
 def test_bert_masked_lm(capsys):
-    out = bench(capsys, "--model", "bert", *TINY, "--step", "train,infer,generate")
+    out = run_bench(capsys, "--model", "bert", *TINY, "--step", "train,infer,generate")
     assert "BertForMaskedLM (AutoModelForMaskedLM)" in out
     assert "generate skipped: masked-lm models do not generate" in out
     rows = table_rows(out)
@@ -85,7 +85,7 @@ def test_config_json_with_overrides_and_ablation(capsys, tmp_path):
     config.to_json_file(tmp_path / "config.json")
     args = ["--model", str(tmp_path / "config.json"), *TINY, "--step", "infer", "--ablation",
             "--json", str(tmp_path / "bench.json")]
-    bench(capsys, *args)
+    run_bench(capsys, *args)
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["model"]["config"] == str(tmp_path / "config.json")
     # --layers 1 --width 64 on a 2-layer, 128-wide config with head_dim 32 and 2 query heads per kv head
@@ -102,32 +102,32 @@ def test_config_json_with_overrides_and_ablation(capsys, tmp_path):
 
 
 def test_resize():
-    llama = hf_models.base_config("llama")[0]
+    llama = demo.base_config("llama")[0]
     cls = transformers.LlamaConfig
-    resized = hf_models.resize(llama, cls, layers=8, width=2048)
+    resized = demo.resize(llama, cls, layers=8, width=2048)
     c = resized.config
     # head_dim kept, heads follow the width, the kv ratio (1:1 in Llama's defaults) kept
     assert (c["num_hidden_layers"], c["hidden_size"], c["head_dim"]) == (8, 2048, 128)
     assert (c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]) == (16, 16, 5504)
-    c = hf_models.resize(llama, cls, width=2048, kv_heads=4, intermediate=8192).config
+    c = demo.resize(llama, cls, width=2048, kv_heads=4, intermediate=8192).config
     assert (c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]) == (16, 4, 8192)
-    mistral = hf_models.base_config("mistral")[0]  # 32 query heads, 8 kv heads
-    c = hf_models.resize(mistral, transformers.MistralConfig, width=1024).config
+    mistral = demo.base_config("mistral")[0]  # 32 query heads, 8 kv heads
+    c = demo.resize(mistral, transformers.MistralConfig, width=1024).config
     assert (c["num_attention_heads"], c["num_key_value_heads"]) == (8, 2)
     # GPT-2 keeps them under its own names; head_dim is derived (width / heads)
-    gpt2 = hf_models.base_config("gpt2")[0]
-    resized = hf_models.resize(gpt2, transformers.GPT2Config, layers=2, width=256, vocab=1000, positions=2048)
+    gpt2 = demo.base_config("gpt2")[0]
+    resized = demo.resize(gpt2, transformers.GPT2Config, layers=2, width=256, vocab=1000, positions=2048)
     assert [resized.config[k] for k in ("n_layer", "n_embd", "n_head", "n_positions", "bos_token_id")] == \
         [2, 256, 4, 2048, 0]  # head_dim 64 kept; positions grown; a token id beyond the vocabulary -> 0
     # per-layer lists follow the layer count
-    qwen2 = hf_models.base_config("qwen2")[0]
-    assert len(hf_models.resize(qwen2, transformers.Qwen2Config, layers=3).config["layer_types"]) == 3
+    qwen2 = demo.base_config("qwen2")[0]
+    assert len(demo.resize(qwen2, transformers.Qwen2Config, layers=3).config["layer_types"]) == 3
     with pytest.raises(ValueError, match="does not divide"):
-        hf_models.resize(llama, cls, width=2048, kv_heads=3)
+        demo.resize(llama, cls, width=2048, kv_heads=3)
     # the override reaches the model
-    built = hf_models.build("gpt2", layers=1, width=64, vocab=256)
+    built = demo.build_hf("gpt2", layers=1, width=64, vocab=256)
     assert (built.config.n_layer, built.config.n_embd, built.task) == (1, 64, "causal-lm")
-    assert hf_models.task_of("bert") == "masked-lm" and hf_models.task_of("llama") == "causal-lm"
+    assert demo.task_of("bert") == "masked-lm" and demo.task_of("llama") == "causal-lm"
 
 
 def test_unknown_family(capsys):
@@ -153,10 +153,10 @@ def test_png_needs_matplotlib(monkeypatch, tmp_path):
 
 def test_png_chart(tmp_path):
     pytest.importorskip("matplotlib")
-    subject = model_bench.Subject(model=None, task="causal-lm", vocab=256, can_generate=True,
+    subject = bench.Subject(model=None, task="causal-lm", vocab=256, can_generate=True,
                                   description="a model", source="test")
     rows = [{"step": "train", "version": v, "speedup": s, "peak_mib": m}
             for v, s, m in (("torch.compile", 1.0, 100.0), ("fusionpass", 1.2, 80.0), ("only rope", 0.9, 100.0))]
-    result = model_bench.Result(subject, model_bench.Options(), rows, [])
-    bench_report.write_png(result, tmp_path / "chart.png")
+    result = bench.BenchResult(subject, bench.BenchOptions(), rows, [])
+    cli.write_bench_png(result, tmp_path / "chart.png")
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
