@@ -60,11 +60,11 @@ def _log_record(record: registry.Record, nodes: int) -> None:
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
 
-# Package files that decide no compiled code: the command line, reports, generated docs, demo models and the
+# Package files that decide no compiled code: the command line, reports, benchmarks, generated docs, demo models and the
 # conformance suite. They stay out of the digest, which is both the FX-cache key and the key the
 # committed GPU conformance result must carry (fusionpass.conformance.gate), so editing a report
 # or adding a conformance case neither invalidates users' caches nor the last GPU run.
-_NOT_COMPILED = ("cli.py", "explain.py", "bench.py", "demo.py", "reference.py", "conformance/")
+_NOT_COMPILED = ("cli.py", "explain.py", "bench.py", "bench_report.py", "demo.py", "reference.py", "conformance/")
 
 
 def digest_files() -> list[pathlib.Path]:

@@ -16,7 +16,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from fusionpass import bench, cli, demo  # noqa: E402
+from fusionpass import bench, bench_report, cli, demo  # noqa: E402
 
 TINY = ["--layers", "1", "--width", "64", "--seq", "16", "--batch", "2", "--vocab", "256", "--device", "cpu",
         "--rounds", "1", "--iters", "1", "--warmup", "0", "--open-cost-rules"]
@@ -158,5 +158,5 @@ def test_png_chart(tmp_path):
     rows = [{"step": "train", "version": v, "speedup": s, "peak_mib": m}
             for v, s, m in (("torch.compile", 1.0, 100.0), ("fusionpass", 1.2, 80.0), ("only rope", 0.9, 100.0))]
     result = bench.BenchResult(subject, bench.BenchOptions(), rows, [])
-    cli.write_bench_png(result, tmp_path / "chart.png")
+    bench_report.write_bench_png(result, tmp_path / "chart.png")
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
