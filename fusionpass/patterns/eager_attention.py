@@ -162,10 +162,13 @@ def _scale_of(node: fx.Node) -> tuple[fx.Node, float] | None:
 
 
 def _number(x):
-    """A literal, `torch.tensor(c)` or `torch.full((), c)` (transformers' zero of the additive mask)
-    as a Python number, else None."""
+    """A literal, `torch.tensor(c)`, `torch.full((), c)` or `torch.zeros(())` (transformers' zero of
+    the additive mask: 5.17 writes `torch.tensor(0.0)`, 5.24 `torch.zeros(())`) as a Python number,
+    else None."""
     if g.is_call(x, (torch.tensor,)) and len(x.args) == 1 and isinstance(x.args[0], (int, float)):
         return x.args[0]
+    if g.is_call(x, (torch.zeros,)) and x.args in (((),), ([],)) and set(x.kwargs) <= {"device", "dtype"}:
+        return 0
     if g.is_call(x, (torch.full,)) and len(x.args) == 2 and x.args[0] in ((), []):
         x = x.args[1]
     return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
