@@ -545,6 +545,19 @@ def test_explain_near_misses_and_training():
     assert {m["where"] for m in data["near_misses"]} == {"norm1", "norm2"}
 
 
+@pytest.mark.parametrize("source, path", [
+    ("L['self'].model.layers[0].self_attn", "model.layers.0.self_attn"),
+    ("L['args'][0].model.layers.0.self_attn", "model.layers.0.self_attn"),  # a wrapped forward
+    ("L['self']._modules['norm1']", "norm1"),
+    ("L['model'].norm", "norm"),
+    ("L['self']", ""),
+])
+def test_where_is_the_module_path(source, path):
+    from fusionpass.patterns.graph import module_path
+
+    assert module_path(source) == path
+
+
 def test_explain_with_fusions_disabled(model, x):
     report = fusionpass.explain(model, x, fusions=[])
     assert report.matches == {} and report.enabled == ()

@@ -231,16 +231,26 @@ def last_dim_contiguous(t: torch.Tensor) -> bool:
 
 
 _INDEX = re.compile(r"\[(\d+)\]")
+# Dynamo's name for the compiled model, the root of every nn_module_stack path: `L['self']` where
+# model.forward itself is traced (transformers 5.17), `L['args'][0]` where a wrapper taking
+# (*args, **kwargs) calls it (transformers 5.24's forward decorators), `L['model']` for a model
+# passed to a compiled function
+_ROOT = re.compile(r"""^L\[['"]\w+['"]\](\[\d+\])*""")
+
+
+def module_path(source: str) -> str:
+    """A Dynamo source name of a submodule (`L['args'][0].model.layers[0]._modules['mlp']`) as its
+    path in the model (`model.layers.0.mlp`)."""
+    path = _ROOT.sub("", source)
+    path = _INDEX.sub(r".\1", path).replace("._modules['", ".").replace("']", "")
+    return path.strip(".")
 
 
 def where(node: fx.Node) -> str:
     """The module path that produced a node (`model.layers.0.input_layernorm`), else its name."""
     stack = node.meta.get("nn_module_stack")
     if stack:
-        path = list(stack.values())[-1][0]
-        path = re.sub(r"^L\[?'?self'?\]?\.?", "", path)
-        path = _INDEX.sub(r".\1", path).replace("._modules['", ".").replace("']", "")
-        return path.strip(".") or node.name
+        return module_path(list(stack.values())[-1][0]) or node.name
     return node.name
 
 

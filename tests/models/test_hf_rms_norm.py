@@ -107,3 +107,15 @@ def test_tiny_llama_explain_and_other_sequence_lengths():
 def test_tiny_phi3_builds():
     model = tiny_hf("phi3", layers=1)
     assert model.config.hidden_size == 512
+
+
+def test_explain_names_where_by_module_path():
+    """explain's "where" is the module's path in the model on every release: transformers 5.17's
+    forward is traced as `L['self']`, 5.24's decorated forward as `L['args'][0]` (Dynamo's names)."""
+    torch.manual_seed(0)
+    model = tiny_hf("llama", layers=1, width=256).eval()  # width 256: outside the norm's cost rule
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    report = fusionpass.explain(model, ids, fusions=[FUSION], use_cache=False)
+    assert report.matches == {}
+    assert sorted(w for _, w, _ in report.near_misses) == [
+        "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm", "model.norm"]
