@@ -25,6 +25,9 @@ class Report:
     # the pass's own seconds per fusion over every graph (pattern matching, guards, rewrites; not
     # Inductor's compile of what the rewrites produce)
     pass_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # (fusion, where, note): calls already in the form a fusion would give them, so nothing to
+    # rewrite (an SDPA call with is_causal=True and no mask); neither matches nor near misses
+    already_fast: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -38,6 +41,9 @@ class Report:
             "device": self.device,
             "enabled": list(self.enabled),
             "pass_seconds": {k: round(v, 4) for k, v in self.pass_seconds.items()},
+            "already_fast": [
+                {"fusion": f, "where": w, "note": n} for f, w, n in self.already_fast
+            ],
         }
 
     def to_json(self) -> str:
@@ -67,6 +73,11 @@ class Report:
         if self.pass_seconds:
             spent = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(self.pass_seconds.items(), key=lambda kv: -kv[1]))
             lines.append(f"pass time: {1e3 * sum(self.pass_seconds.values()):.1f} ms ({spent} ms)")
+        if self.already_fast:
+            lines.append("")
+            lines.append("already fast (nothing to rewrite):")
+            lines += [f"  {f}: {note} in {n} call(s)"
+                      for (f, note), n in Counter((f, note) for f, _, note in self.already_fast).items()]
         if self.near_misses:
             lines.append("")
             lines.append("near misses (left to Inductor):")
@@ -124,10 +135,11 @@ def explain(model, *args, fusions=None, train: bool | None = None, **kwargs) -> 
         compiled(*args, **kwargs)
     records = STATISTICS.records
     variants: Counter = Counter()
-    misses = []
+    misses, already_fast = [], []
     for r in records:
         variants.update(r.matches)
         misses.extend(r.near_misses)
+        already_fast.extend(r.already_fast)
     per_fusion: Counter = Counter()
     for (f, _), n in variants.items():
         per_fusion[f] += n
@@ -140,4 +152,5 @@ def explain(model, *args, fusions=None, train: bool | None = None, **kwargs) -> 
         device=device,
         enabled=tuple(n for n in config_mod.FUSION_NAMES if n in cfg.fusions),
         pass_seconds=dict(STATISTICS.seconds),
+        already_fast=already_fast,
     )

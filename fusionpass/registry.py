@@ -80,6 +80,10 @@ class Fusion:
     unmatched: str | Callable[[fx.Node], str | None] | None = "no known variant matches the surrounding ops"
     # fusions whose rewrites this one must see (it runs after them; `fusion_names()`)
     after: tuple[str, ...] = ()
+    # A note for a node that is not an anchor because it already has the form the rewrite would
+    # give it (an SDPA call transformers made with is_causal=True and no mask), else None: recorded
+    # as information (explain's "already fast"), neither a match nor a near miss
+    already_fast: Callable[[fx.Node], str | None] | None = None
     # The fusion's settings: a frozen dataclass whose fields have defaults and a `doc` in their
     # metadata (`option`). Each field is a `Config` setting named `<settings_prefix>_<field>`
     # (settings_prefix: the fusion's name unless given) with the environment override
@@ -134,6 +138,8 @@ class Record:
     # where every Match names its own Variant, as the conformance gate's coverage expects
     searches: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     near_misses: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    # (fusion, where, note) for nodes already in the fused form (`Fusion.already_fast`)
+    already_fast: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     # seconds the pass spent on each fusion (finding, guarding and replacing its matches)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -144,6 +150,9 @@ class Record:
 
     def missed(self, fusion: str, node: fx.Node, reason: str) -> None:
         self.near_misses.append((fusion, where(node), reason))
+
+    def noted(self, fusion: str, node: fx.Node, note: str) -> None:
+        self.already_fast.append((fusion, where(node), note))
 
 
 _FUSIONS: dict[str, Fusion] = {}
@@ -247,7 +256,12 @@ def apply(fusion: Fusion, graph: fx.Graph, config: Config, record: Record) -> in
     """Find every anchor of `fusion` in `graph`, match, guard, replace. Returns the match count."""
     count = 0
     for node in list(graph.nodes):
-        if _is_erased(node) or not fusion.anchor(node):
+        if _is_erased(node):
+            continue
+        if not fusion.anchor(node):
+            note = fusion.already_fast(node) if fusion.already_fast is not None else None
+            if note is not None:
+                record.noted(fusion.name, node, note)
             continue
         match = found_by = None
         try:

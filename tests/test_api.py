@@ -545,6 +545,27 @@ def test_explain_near_misses_and_training():
     assert {m["where"] for m in data["near_misses"]} == {"norm1", "norm2"}
 
 
+class CausalSdpa(torch.nn.Module):
+    """Attention as transformers >= 5.2x calls SDPA without an attention_mask: is_causal=True, no mask."""
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_explain_says_attention_is_already_fast():
+    q, k, v = (torch.randn(2, 2, 16, 64) for _ in range(3))
+    report = fusionpass.explain(CausalSdpa(), q, k, v)
+    assert report.matches == {} and report.near_misses == []
+    note = "attention already in the fast form (is_causal=True, no mask)"
+    assert [(f, n) for f, _, n in report.already_fast] == [("sdpa_mask", note)]
+    text = str(report)
+    assert "already fast (nothing to rewrite):" in text
+    assert f"  sdpa_mask: {note} in 1 call(s)" in text
+    assert "near misses" not in text
+    data = json.loads(report.to_json())
+    assert [m["note"] for m in data["already_fast"]] == [note]
+
+
 @pytest.mark.parametrize("source, path", [
     ("L['self'].model.layers[0].self_attn", "model.layers.0.self_attn"),
     ("L['args'][0].model.layers.0.self_attn", "model.layers.0.self_attn"),  # a wrapped forward

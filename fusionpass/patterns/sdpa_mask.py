@@ -62,6 +62,17 @@ def _search(kind: str):
     return search
 
 
+def already_fast(node: fx.Node) -> str | None:
+    """An SDPA call with no mask at all is already what this fusion makes (transformers >= 5.2x
+    passes is_causal=True and no mask itself where no attention_mask is given): say so."""
+    if not sdpa.is_sdpa(node):
+        return None
+    args = sdpa.sdpa_arguments(node)
+    if args["attn_mask"] is not None or not isinstance(args["is_causal"], bool):
+        return None
+    return f"attention already in the fast form (is_causal={args['is_causal']}, no mask)"
+
+
 def covers_the_scores_top_left(m: Match, cfg) -> str | None:
     """The mask covers the scores (`sdpa.mask_covers_the_scores`), and a causal one has Lq == Lk:
     is_causal aligns the diagonal top-left."""
@@ -116,5 +127,6 @@ SDPA_MASK = registry.register(
         replace=replace,
         # padded masks are sdpa_runtime_check's, which reports them
         unmatched=None,
+        already_fast=already_fast,
     )
 )
