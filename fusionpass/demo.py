@@ -166,6 +166,11 @@ def tiny_hf(name: str, layers: int = 2, attn: str = "sdpa", width: int = 512, **
     kwargs.update(family)
     kwargs.update(overrides)
     config = getattr(transformers, config_name)(**kwargs)
+    model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    if attn == "sdpa" and not model_class._supports_sdpa:
+        # transformers 5.2x refuses SDPA where it cannot compute the model's attention (Gemma-2's
+        # logit softcapping); 5.17 took it, without the softcap. Eager is what the release runs.
+        attn = "eager"
     config._attn_implementation = attn
     return transformers.AutoModelForCausalLM.from_config(config)
 
