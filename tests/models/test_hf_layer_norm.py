@@ -11,10 +11,12 @@ Per model, what the Dynamo graph offers (see fusionpass/patterns/layer_norm.py):
   - GPT-NeoX parallel: layer 0's first LayerNorm fuses the embedding dropout in training; the two
     LayerNorms of every later layer and the final one read mlp + attn + residual: near misses
     (parallel_residual), 3 with 2 layers.
-  - OPT: training breaks the graph at every layer (LayerDrop's torch.rand check) and the two layers
-    share one compiled graph, whose first LayerNorm reads the layer's input (a graph input) and the
-    second the flattened residual sum: 1 match in all. Inference is one graph: both LayerNorms of
-    both layers (the first one's input is the embedding sum) and the decoder's final one, 5.
+  - OPT: in one graph (inference; training on transformers 5.24, which skips LayerDrop's
+    torch.rand when layerdrop is 0), both LayerNorms of every layer (layer 0's first reads the
+    embedding sum, no dropout) and the decoder's final one: 2L + 1. Where training breaks the graph
+    at every layer (5.17 draws torch.rand for LayerDrop unconditionally), the layers share one
+    compiled graph whose first LayerNorm reads the layer's input (a graph input) and the second the
+    flattened residual sum: 1 match in all (`opt_counts`).
 
 Numerics: with dropout 0 the loss, logits and every gradient agree with plain torch.compile; with
 dropout on, the mean loss over a few seeds agrees with plain torch.compile's within its sampling
@@ -92,17 +94,34 @@ def build(name: str, p: float, initializer_range: float = 0.02):
 
 
 # name -> (training counts with dropout on, counts with dropout 0 or in inference, near misses
-# (training and inference alike), one graph?)
+# (training and inference alike), one graph?), from each model's structure (module docstring);
+# OPT's depend on its graph breaks (`opt_counts`)
 MODELS = {
-    "bert-eager": (counts(dropout_residual=4), counts(residual=4), 0, True),
-    "bert-sdpa": (counts(dropout_residual=4), counts(residual=4), 0, True),
-    "gpt2": (counts(dropout=1, dropout_residual=4), counts(residual=4), 0, True),
-    "gpt-neox-parallel": (counts(dropout=1), {}, 3, True),
-    "gpt-neox-sequential": (counts(dropout=1, dropout_residual=4), counts(residual=4), 0, True),
-    "opt": (counts(dropout_residual=1), counts(residual=1), 0, False),
+    "bert-eager": (counts(dropout_residual=2 * LAYERS), counts(residual=2 * LAYERS), 0, True),
+    "bert-sdpa": (counts(dropout_residual=2 * LAYERS), counts(residual=2 * LAYERS), 0, True),
+    "gpt2": (counts(dropout=1, dropout_residual=2 * LAYERS), counts(residual=2 * LAYERS), 0, True),
+    "gpt-neox-parallel": (counts(dropout=1), {}, 2 * (LAYERS - 1) + 1, True),
+    "gpt-neox-sequential": (counts(dropout=1, dropout_residual=2 * LAYERS), counts(residual=2 * LAYERS), 0, True),
+    "opt": (None, None, 0, False),
 }
-# OPT inference is one graph: 2 per layer and the decoder's final LayerNorm
-OPT_INFERENCE = counts(residual=2 * LAYERS + 1)
+
+
+def opt_counts(dropout: bool, one_graph: bool) -> dict:
+    """OPT's matches (pre-LN, LAYERS layers, a final LayerNorm; the module docstring): `dropout`
+    when its dropout is active (training with p > 0), `one_graph` when Dynamo made one graph."""
+    fused = "dropout_residual" if dropout else "residual"
+    if not one_graph:  # a graph per layer, shared by the layers: its second LayerNorm
+        return counts(**{fused: 1})
+    if dropout:  # layer 0's first LayerNorm reads the embedding sum, without dropout
+        return counts(residual=1, dropout_residual=2 * LAYERS)
+    return counts(residual=2 * LAYERS + 1)
+
+
+def expected_counts(name: str, dropout: bool, graphs: int) -> dict:
+    if name == "opt":
+        return opt_counts(dropout, graphs == 1)
+    train_counts, p0_counts, _, _ = MODELS[name]
+    return train_counts if dropout else p0_counts
 
 
 def model_and_inputs(name, train, p, batch=2, seq=8, initializer_range=0.02):
@@ -119,7 +138,7 @@ def compiled_run(model, ids, kwargs, train, backend, fullgraph):
     with compiling():
         compiled = torch.compile(model, backend=backend, fullgraph=fullgraph)
         out = run(compiled, model, (ids,), train, kwargs=kwargs)
-        return out, fusionpass.stats(variants=True), near_misses()
+        return out, fusionpass.stats(variants=True), near_misses(), len(STATISTICS.records)
 
 
 def _check_misses(misses, n):
@@ -149,12 +168,12 @@ COMPARED = [(name, False) for name in MODELS] + [
 def test_matches_plain_compile(name, train):
     """Dropout 0 in training, dropout configured but inactive in inference: exact counts; loss,
     logits and every gradient as plain torch.compile."""
-    _, p0_counts, misses, fullgraph = MODELS[name]
+    _, _, misses, fullgraph = MODELS[name]
     model, ids, kwargs = model_and_inputs(name, train, p=0.0 if train else 0.1)
-    got, stats, got_misses = compiled_run(model, ids, kwargs, train, make_backend([FUSION]), fullgraph)
-    assert stats == (OPT_INFERENCE if name == "opt" and not train else p0_counts)
+    got, stats, got_misses, graphs = compiled_run(model, ids, kwargs, train, make_backend([FUSION]), fullgraph)
+    assert stats == expected_counts(name, dropout=False, graphs=graphs)
     _check_misses(got_misses, misses)
-    expected, plain_stats, _ = compiled_run(model, ids, kwargs, train, "inductor", fullgraph)
+    expected, plain_stats, _, _ = compiled_run(model, ids, kwargs, train, "inductor", fullgraph)
     assert plain_stats == {}
     if train:
         assert len(expected.grads) == sum(1 for q in model.parameters() if q.requires_grad)
@@ -186,7 +205,7 @@ def _records_of_our_pass(model, ids, kwargs):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_training_counts(name):
     """Dropout on: exact counts per graph, near misses, a finite loss and every gradient."""
-    train_counts, _, misses, one_graph = MODELS[name]
+    _, _, misses, one_graph = MODELS[name]
     model, ids, kwargs = model_and_inputs(name, True, p=0.1)
     out, records = _records_of_our_pass(model, ids, kwargs)
     if one_graph:
@@ -195,7 +214,7 @@ def test_training_counts(name):
     for r in records:
         for key, n in r.matches.items():
             total[key] = total.get(key, 0) + n
-    assert total == train_counts
+    assert total == expected_counts(name, dropout=True, graphs=len(records))
     _check_misses([m for r in records for m in r.near_misses], misses)
     out.loss.backward()
     assert math.isfinite(out.loss.item())
