@@ -172,6 +172,12 @@ def near_misses(reason_contains: str | None = None) -> list[tuple[str, str, str]
     return [m for m in STATISTICS.near_misses if reason_contains is None or reason_contains in m[2]]
 
 
+def already_fast() -> list[tuple[str, str, str]]:
+    """(fusion, where, note) of the last compiles' calls already in a fusion's fast form (an SDPA
+    call transformers made without a mask; explain's "already fast")."""
+    return [n for r in STATISTICS.records for n in r.already_fast]
+
+
 def counts(**variants) -> dict:
     """{(FUSION, variant): n} from keyword arguments: counts(llama=1, llama_no_residual=1)."""
     return {(FUSION, v): n for v, n in variants.items() if n}

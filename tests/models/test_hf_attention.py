@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from helpers import (
     ATTENTION,
+    already_fast,
     attention_key,
     KnownBug,
     known_bug,
@@ -69,8 +70,16 @@ DECODER = {
 }
 
 
+def skip_without_sdpa(family: str) -> None:
+    """transformers 5.2x refuses SDPA for Gemma-2 (`_supports_sdpa = False`: SDPA has no attention
+    logit softcapping); 5.17 runs it through SDPA, without the softcap."""
+    if family == "gemma2" and not transformers.Gemma2PreTrainedModel._supports_sdpa:
+        pytest.skip(f"transformers {transformers.__version__} has no SDPA attention for Gemma-2 (softcapping)")
+
+
 def build(family: str):
     """A tiny model of `family`, in fp32, with sdpa attention and every dropout probability 0."""
+    skip_without_sdpa(family)
     t = transformers
     if family == "llama":
         config, cls = t.LlamaConfig(**DECODER), t.LlamaForCausalLM
@@ -157,6 +166,17 @@ def expected(family, padded: bool) -> tuple[dict, list[str]]:
     return {attention_key(causal): LAYERS}, []
 
 
+def assert_fast_form(stats, counts):
+    """Every SDPA call that `counts` says the fusion makes fast is fast in the end: rewritten
+    (transformers 5.17 hands every call a materialized mask under torch.compile), or made so by
+    transformers itself (5.24 calls SDPA with no mask where no attention_mask is given:
+    is_causal=True in decoders, False in BERT), which the fusion notes as already fast."""
+    fast = already_fast()
+    assert all(note.startswith("attention already in the fast form") for _, _, note in fast), fast
+    assert set(stats) <= set(counts), (stats, counts)
+    assert sum(stats.values()) + len(fast) == sum(counts.values()), (stats, fast, counts)
+
+
 def plain_compile(model, args, kwargs, train):
     """The reference: torch.compile with Inductor, no fusions."""
     with compiling():
@@ -172,7 +192,7 @@ def check(family, mask=None, train=False, reference="compile"):
     got, stats = compile_and_count(model, *args, fusions=ATTENTION, train=train, kwargs=kwargs)
     counts, misses = expected(family, padded=mask is not None)
     assert [m[2] for m in near_misses()] == misses
-    assert stats == counts
+    assert_fast_form(stats, counts)
     if reference == "compile":
         want = plain_compile(model, args, kwargs, train)
     else:  # the graph is left as it is: eager is reference enough
@@ -254,7 +274,7 @@ def test_inference_llama_default_cache():
     args, kwargs = inputs("llama", use_cache=True)
     got, stats = compile_and_count(model, *args, fusions=ATTENTION, kwargs=kwargs)
     assert near_misses() == []
-    assert stats == {attention_key("causal_mask"): LAYERS}
+    assert_fast_form(stats, {attention_key("causal_mask"): LAYERS})
     assert_outcomes_close(got, eager(model, *args, kwargs=kwargs), rtol=RTOL_FP32)
 
 
