@@ -685,3 +685,60 @@ def test_causal_from_position_id_lookups():
     _, out, record = fused_graph(module, *inputs, fusions=ATTENTION)
     assert record.matches == counts(causal_mask=1)
     torch.testing.assert_close(out, module(*inputs), rtol=1e-5, atol=1e-5)
+
+
+class PackedSequences(nn.Module):
+    """transformers 5.24's causal mask for packed sequences (position ids restarting at each
+    sequence start): positions looked up at the query and key indices and compared, AND-ed with
+    the packed-sequence ids (`remap_positions_for_packed_sequence`, `packed_sequence_mask_function`).
+    Block-diagonal, not causal: no query attends to an earlier sequence."""
+
+    def __init__(self, positions=None):
+        super().__init__()
+        self.positions = positions  # builds the position ids in the graph; None: a run-time input
+
+    def forward(self, q, k, v, position_ids=None):
+        b, sq = q.shape[0], q.shape[-2]
+        if self.positions is not None:
+            position_ids = self.positions(sq).unsqueeze(0)
+        pos = position_ids.expand(b, -1)
+        seq_ids = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        batch = torch.arange(b)[:, None, None, None]
+        q_idx = torch.arange(sq)[None, None, :, None]
+        kv_idx = torch.arange(sq)[None, None, None, :]
+        causal_in_sequence = pos[batch, kv_idx] <= pos[batch, q_idx]
+        same_sequence = seq_ids[batch, q_idx] == seq_ids[batch, kv_idx]
+        mask = (causal_in_sequence & same_sequence).expand(b, -1, sq, sq)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
+
+
+def test_packed_sequences_from_run_time_positions_are_not_causal():
+    """Position ids restarting at 0 (two sequences packed in one row), given at run time: the
+    comparison reads a run-time tensor by query position, so the mask is not proven (it is
+    block-diagonal, and rewriting it to is_causal=True would let the second sequence see the first)."""
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    assert_miss(PackedSequences(), (*qkv(), position_ids),
+                "mask not provable: lookup into a run-time tensor by query position")
+
+
+@pytest.mark.parametrize("positions", [
+    lambda s: torch.cat([torch.arange(3), torch.arange(s - 3)]),
+    lambda s: torch.arange(s) % 4,
+], ids=["cat", "remainder"])
+def test_packed_sequences_from_graph_positions_are_not_causal(positions):
+    """Restarting position ids built in the graph: the analysis knows no op that restarts an
+    index vector (`cat`, `%`), so the positions are as unknown as a run-time tensor's and the
+    mask stays unproven."""
+    gm = assert_miss(PackedSequences(positions), qkv(),
+                     "mask not provable: lookup into a run-time tensor by query position")
+    assert nodes(gm, F.scaled_dot_product_attention)[0].kwargs.get("attn_mask") is not None
+
+
+def test_unpacked_positions_in_the_packed_form_are_causal():
+    """The same 5.24 form with position ids that are a plain arange (one sequence per row, what
+    the model makes without position_ids): proven causal, the packed-sequence ids constant."""
+    module = PackedSequences(lambda s: torch.arange(s) + 0)
+    inputs = qkv()
+    _, out, record = fused_graph(module, *inputs, fusions=ATTENTION)
+    assert record.matches == counts(causal_mask=1)
+    torch.testing.assert_close(out, module(*inputs), rtol=1e-5, atol=1e-5)
