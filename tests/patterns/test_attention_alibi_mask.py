@@ -41,6 +41,10 @@ def fold(form, visible, bias):
         return torch.masked_fill(bias / 8.0, additive < -1, MIN)
     if form == "additive":
         return torch.where(visible, torch.tensor(0.0), MIN) + bias
+    if form == "additive_zeros":  # transformers 5.24's zero: torch.zeros(())
+        return torch.where(visible, torch.zeros(()), MIN) + bias
+    if form == "additive_ones":  # not a mask: visible scores get +1
+        return torch.where(visible, torch.ones(()), MIN) + bias
     assert form == "not"
     return bias.masked_fill(~visible, MIN)
 
@@ -78,10 +82,16 @@ def check(module, args, variant, count, train):
     assert_outcomes_close(got, want)
 
 
-@pytest.mark.parametrize("form", ["falcon", "additive", "not"])
+@pytest.mark.parametrize("form", ["falcon", "additive", "additive_zeros", "not"])
 @pytest.mark.parametrize("train", [True, False])
 def test_biased_mask_forms(form, train):
     check(BiasedAttention(form, layers=2), qkv(), "alibi_mask_kernel", 2, train)
+
+
+def test_additive_mask_of_nonzero_where_visible_is_not_matched():
+    # `where(m, 1, min)` adds 1 to every visible score: no per-key bias over a boolean mask
+    _, _, record = fused_graph(BiasedAttention("additive_ones").eval(), *qkv(), fusions=ATTENTION)
+    assert record.matches == {}
 
 
 def test_left_padding_rows_that_see_no_key():
