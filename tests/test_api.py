@@ -571,6 +571,7 @@ def test_explain_says_attention_is_already_fast():
     ("L['args'][0].model.layers.0.self_attn", "model.layers.0.self_attn"),  # a wrapped forward
     ("L['self']._modules['norm1']", "norm1"),
     ("L['model'].norm", "norm"),
+    ("L['kwargs']['model'].layers[1].norm", "layers.1.norm"),
     ("L['self']", ""),
 ])
 def test_where_is_the_module_path(source, path):

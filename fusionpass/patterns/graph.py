@@ -233,9 +233,9 @@ def last_dim_contiguous(t: torch.Tensor) -> bool:
 _INDEX = re.compile(r"\[(\d+)\]")
 # Dynamo's name for the compiled model, the root of every nn_module_stack path: `L['self']` where
 # model.forward itself is traced (transformers 5.17), `L['args'][0]` where a wrapper taking
-# (*args, **kwargs) calls it (transformers 5.24's forward decorators), `L['model']` for a model
-# passed to a compiled function
-_ROOT = re.compile(r"""^L\[['"]\w+['"]\](\[\d+\])*""")
+# (*args, **kwargs) calls it (transformers 5.24's forward decorators), `L['model']` or
+# `L['kwargs']['model']` for a model passed to a compiled function
+_ROOT = re.compile(r"""^L\[['"]\w+['"]\](\[\d+\]|\[['"]\w+['"]\])*""")
 
 
 def module_path(source: str) -> str:
