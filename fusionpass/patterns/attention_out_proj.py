@@ -3,7 +3,8 @@ for the output projection is a view, not a copy.
 
 Every HF attention hands its [B, H, S, D] output to the output projection (`o_proj`, `dense`,
 `c_proj`) as [B, S, H*D]:
-  GPT-2 / Llama family:  out.transpose(1, 2) [.contiguous()] .reshape(B, S, -1) [.contiguous()]
+  GPT-2 / Llama family:  out [.reshape(B, H, S, D)] .transpose(1, 2) [.contiguous()] .reshape(B, S, -1)
+                         [.contiguous()]   (the same-shape reshape: transformers 5.24's SDPA path)
   BLOOM (_merge_heads):  out.view(B*H, S, D) (what the attention fusion leaves of its bmm)
                          .view(B, H, S, D).permute(0, 2, 1, 3).reshape(B, S, H*D)
 then `linear(x, W, b)`, `matmul(x, W)` or Conv1D's `addmm(b, x.view(-1, H*D), W)`. With the
@@ -143,14 +144,29 @@ def _merge(start: fx.Node, shape: tuple) -> tuple[list[fx.Node], tuple[str, fx.N
     return [t, r], proj
 
 
+def _past_same_shape_view(node: fx.Node, shape: tuple) -> fx.Node:
+    """Past a reshape/view of `node` to its own shape: transformers 5.24's sdpa_attention_forward
+    ends with `out.reshape(out.shape[0], -1, q_len, D)` (undoing its pack_gqa, else a no-op). A
+    view of a tensor as its own shape is one for any strides, token-major ones too."""
+    user = _only_user(node)
+    if g.is_call(user, g.VIEWS) and user.args[0] is node and _same(_shape(user), shape):
+        return user
+    return node
+
+
 def _transpose_search(call: fx.Node) -> Match | None:
-    """GPT-2 / Llama family: out.transpose(1, 2)[.contiguous()].reshape(B, S, H*D) -> projection."""
+    """GPT-2 / Llama family: out[.reshape(B, H, S, D)].transpose(1, 2)[.contiguous()]
+    .reshape(B, S, H*D) -> projection."""
     out = _attention_output(call)
     shape = _shape(out)
-    found = _merge(out, shape) if shape is not None and len(shape) == 4 else None
+    if shape is None or len(shape) != 4:
+        return None
+    start = _past_same_shape_view(out, shape)
+    found = _merge(start, shape)
     if found is None:
         return None
     nodes, (kind, proj) = found
+    nodes = [start, *nodes] if start is not out else nodes
     return Match("transpose_reshape", call, nodes, dict(out=out, projection=proj, kind=kind, round_trip=()))
 
 

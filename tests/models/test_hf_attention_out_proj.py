@@ -123,3 +123,40 @@ def test_not_projected_is_a_near_miss():
     assert fusion == "attention_out_proj" and "not an output projection" in reason
     (call,) = [n for n in gm.graph.nodes if n.target is FLASH]
     assert len(call.args) == 3 and "token_major" not in call.kwargs
+
+
+class ReshapedBeforeMerge(torch.nn.Module):
+    """transformers 5.24's SDPA path reshapes the attention output to its own shape before the
+    head merge (`out.reshape(out.shape[0], -1, q_len, D)`); `scramble` reshapes it to [B, S, H, D]
+    instead, which is no head merge (the heads and tokens of a [B, H, S, D] tensor reinterpreted)."""
+
+    def __init__(self, scramble=False):
+        super().__init__()
+        self.scramble = scramble
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(128, 128)
+
+    def forward(self, q, k, v):
+        b, h, s, d = q.shape
+        p = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * 0.125, dim=-1)
+        o = torch.matmul(p, v)
+        o = o.reshape(b, s, h, d).transpose(1, 2) if self.scramble else o.reshape(o.shape[0], -1, s, d)
+        return self.proj(o.transpose(1, 2).reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("scramble", [False, True])
+def test_reshape_to_its_own_shape_before_the_merge(scramble):
+    q, k, v = (torch.randn(2, 2, 8, 64) for _ in range(3))
+    module = ReshapedBeforeMerge(scramble)
+    gm, out, record = fused_graph(module, q, k, v, fusions=FUSIONS)
+    (call,) = [n for n in gm.graph.nodes if n.target is FLASH]
+    if scramble:
+        assert record.matches == {("flash_attention", "eager_kernel"): 1}
+        ((fusion, _, reason),) = record.near_misses
+        assert fusion == "attention_out_proj" and "not merged into [B, S, H*D]" in reason
+        assert "token_major" not in call.kwargs
+    else:
+        assert record.matches == {("flash_attention", "eager_kernel"): 1,
+                                  ("attention_out_proj", "transpose_reshape"): 1}
+        assert call.kwargs["token_major"] is True
+    torch.testing.assert_close(out, module(q, k, v), rtol=2e-4, atol=2e-4)
