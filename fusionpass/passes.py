@@ -50,12 +50,14 @@ except AttributeError:  # a torch without the registry: TORCH_LOGS still takes t
 
 
 def _log_record(record: registry.Record, nodes: int) -> None:
-    if not _LOG.isEnabledFor(logging.INFO) or not (record.matches or record.near_misses):
+    if not _LOG.isEnabledFor(logging.INFO) or not (record.matches or record.near_misses or record.already_fast):
         return
     matched = ", ".join(f"{f}/{v} x{n}" for (f, v), n in sorted(record.matches.items())) or "nothing"
     _LOG.info("graph of %d nodes (compile %s): matched %s", nodes, record.compile_id, matched)
     for fusion, where, reason in record.near_misses:
         _LOG.info("  near miss: %s at %s: %s", fusion, where, reason)
+    for fusion, where, note in record.already_fast:
+        _LOG.info("  already fast: %s at %s: %s", fusion, where, note)
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
