@@ -470,7 +470,10 @@ def bench_model(subject: Subject, opts: BenchOptions) -> BenchResult:
                 notes.append(f"generate skipped: {subject.why_no_generate()}")
                 say(notes[-1])
                 continue
-            rows.extend(measure_step(work, step))
+            measured = measure_step(work, step)
+            for row in measured:  # as they come: a run cut short by a time limit keeps them
+                say(f"{step}: {row['version']} {row['ms']} ms ({row['speedup']:.3f}x against torch.compile)")
+            rows.extend(measured)
     torch._dynamo.reset()
     say(f"done in {time.perf_counter() - t0:.0f} s")
     return BenchResult(subject, opts, rows, notes)
