@@ -408,20 +408,21 @@ def measure_step(work: Workload, step: str) -> list[dict]:
     opts = work.opts
     model = work.subject.model
     model.train(step == "train")
-    versions = [Version(PLAIN, False), Version(FUSIONPASS, True)]
-    runs, rows = {}, {}
-    for version in versions:
+    versions, runs, rows = [], {}, {}
+
+    def add(version: Version) -> None:
+        versions.append(version)
         runs[version.name] = work.step(step, work.compile(step, version))
         rows[version.name] = _first_call(step, version, runs[version.name], opts.device)
+
+    add(Version(PLAIN, False))
+    add(Version(FUSIONPASS, True))
     if step in opts.ablation:
         matched = rows[FUSIONPASS]["matches"]
         for fusion in (f for f in registry.registered() if matched.get(f)):  # in run order
             fusions = with_dependencies(fusion, matched)
             extra = [f for f in fusions if f != fusion]
-            version = Version(f"only {fusion}" + (f" (+ {', '.join(extra)})" if extra else ""), True, fusions)
-            versions.append(version)
-            runs[version.name] = work.step(step, work.compile(step, version))
-            rows[version.name] = _first_call(step, version, runs[version.name], opts.device)
+            add(Version(f"only {fusion}" + (f" (+ {', '.join(extra)})" if extra else ""), True, fusions))
     iters = 1 if step == "generate" else opts.iters
     say(f"{step}: timing {len(runs)} versions interleaved, {opts.warmup} warm-up + {opts.rounds} rounds "
         f"x {iters} call(s)")
