@@ -134,23 +134,14 @@ def explain(model, *args, fusions=None, train: bool | None = None, **kwargs) -> 
     with fresh_compile_caches(), torch.set_grad_enabled(train):
         compiled(*args, **kwargs)
     records = STATISTICS.records
-    variants: Counter = Counter()
-    misses, already_fast = [], []
-    for r in records:
-        variants.update(r.matches)
-        misses.extend(r.near_misses)
-        already_fast.extend(r.already_fast)
-    per_fusion: Counter = Counter()
-    for (f, _), n in variants.items():
-        per_fusion[f] += n
     return Report(
-        matches=dict(per_fusion),
-        variants=dict(variants),
-        near_misses=misses,
+        matches=STATISTICS.per_fusion(),
+        variants=dict(STATISTICS.variants),
+        near_misses=STATISTICS.near_misses,
         graphs=len(records),
         graph_breaks=sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before,
         device=device,
         enabled=tuple(n for n in config_mod.FUSION_NAMES if n in cfg.fusions),
         pass_seconds=dict(STATISTICS.seconds),
-        already_fast=already_fast,
+        already_fast=[note for r in records for note in r.already_fast],
     )
