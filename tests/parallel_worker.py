@@ -8,6 +8,8 @@ compares the two compiles there, so an exception on a rank reaches the test as t
 Parallelisms, as their frameworks apply them:
 - "ddp": DistributedDataParallel around model + loss, compiled whole. A 1 MB bucket cap (the
   smallest DDP's first bucket allows) makes Dynamo's DDPOptimizer cut the graph inside each block.
+- "ddp_python_reducer": the same under compiled autograd's DDP (`optimize_ddp="python_reducer"`),
+  which traces DDP's gradient hooks instead of splitting the forward graph.
 - "fsdp": torchtitan's FSDP2 order: `fully_shard` on every block and on the root, then each block
   compiled on its own (regional compile; the loss stays eager).
 - "tp": colwise q/k/v and gate/up, rowwise o and down (the issue's plain plan), compiled whole with
@@ -115,11 +117,23 @@ def tensor_parallel_plan(sequence_parallel: bool):
 def parallelize(net, loss_fn, parallelism: str, mesh, backend):
     """The training step's callable (ids, labels) -> loss, under `parallelism`, compiled with
     `backend` where that parallelism's framework compiles."""
-    if parallelism == "ddp":
+    if parallelism in ("ddp", "ddp_python_reducer"):
         from torch.nn.parallel import DistributedDataParallel
 
-        return torch.compile(DistributedDataParallel(WithLoss(net, loss_fn), bucket_cap_mb=1),
-                             backend=backend)
+        compiled = torch.compile(DistributedDataParallel(WithLoss(net, loss_fn), bucket_cap_mb=1),
+                                 backend=backend)
+        if parallelism == "ddp":
+            return compiled
+
+        def step(ids, labels):
+            # DDP's gradient hooks traced by compiled autograd: one forward graph, no split
+            with torch._dynamo.config.patch(optimize_ddp="python_reducer", compiled_autograd=True):
+                loss = compiled(ids, labels)
+                loss.backward()
+            return loss.detach()
+
+        step.backward_done = True
+        return step
     if parallelism == "fsdp":
         from torch.distributed.fsdp import fully_shard
 

@@ -64,6 +64,7 @@ DDP_COUNTS = pytest.mark.xfail(strict=True, raises=KnownBug,
 CASES = [
     pytest.param(pw.Case("llama", "ddp"), marks=DDP_COUNTS),
     pytest.param(pw.Case("gpt2", "ddp"), marks=DDP_COUNTS),
+    pw.Case("gpt2", "ddp_python_reducer"),  # compiled autograd's DDP: one graph
     pw.Case("llama", "fsdp"),
     pw.Case("gpt2", "fsdp"),
     pw.Case("llama", "tp"),
