@@ -26,7 +26,7 @@ import os
 import pathlib
 import re
 import sys
-from collections import Counter, defaultdict
+from collections import Counter
 
 import torch
 
