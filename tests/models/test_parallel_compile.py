@@ -9,7 +9,8 @@ each is applied) with plain torch.compile and with fusionpass, and checks:
 Known bugs, each a strict xfail that passes once fixed (docs/parallelism.md):
 - DDP: the statistics keep one record per Dynamo compile id, and DDPOptimizer compiles its
   subgraphs under one id, so each subgraph's record replaces the previous one: the counts show the
-  last subgraph only (the matches themselves are made, and the numerics are checked first).
+  last subgraph only (the matches themselves are made, and the numerics are checked first). For
+  GPT-2, DDP's split also costs sdpa_mask its proof: the mask is built in the first piece only.
 - torchtitan's sequence-parallel norms: rms_norm_residual replaces a norm whose input is a Shard(1)
   DTensor with our op, which has no DTensor sharding rule, and the compile fails.
 """
