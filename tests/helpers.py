@@ -260,3 +260,17 @@ def known_bug(exc_type, text: str):
         if text in str(e):
             raise KnownBug(text) from e
         raise
+
+
+def load_script(module_name: str, path) -> object:
+    """A script that is no package's module (benchmarks/*.py) as a module, registered in
+    sys.modules (dataclasses need that) and loaded once."""
+    import importlib.util
+    import sys
+
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]

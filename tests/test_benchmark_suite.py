@@ -1,7 +1,6 @@
 """The benchmark suite (benchmarks/suite.py): a CPU smoke run of some of its topics writes tables
 with their header and rows, and README.md's performance table is what the suite generates from the
 committed benchmarks/results/latest files."""
-import importlib.util
 import json
 import os
 import pathlib
@@ -9,19 +8,14 @@ import subprocess
 import sys
 
 import pytest
+from helpers import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEADER = ("date", "gpu", "torch", "triton", "transformers", "command")
 
 
 def _suite():
-    # benchmarks/ is no package: load the script as a module (registered, as dataclasses need)
-    if "benchmark_suite" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("benchmark_suite", ROOT / "benchmarks" / "suite.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["benchmark_suite"]
+    return load_script("benchmark_suite", ROOT / "benchmarks" / "suite.py")
 
 
 def test_smoke_run_writes_each_topic(tmp_path):

@@ -1,12 +1,10 @@
 """benchmarks/saved_tensors.py: the saved tensors it reads from Inductor's partition are the ones
 the compiled step really saves (autograd's saved-tensor hooks see each one at the compiled
 forward), and its report adds them up per layer."""
-import importlib.util
 import pathlib
-import sys
 
 import torch
-from helpers import compiling
+from helpers import compiling, load_script
 
 import fusionpass
 from fusionpass.demo import build_hf
@@ -15,12 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _tool():
-    if "saved_tensors_tool" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("saved_tensors_tool", ROOT / "benchmarks" / "saved_tensors.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["saved_tensors_tool"]
+    return load_script("saved_tensors_tool", ROOT / "benchmarks" / "saved_tensors.py")
 
 
 def _model():
