@@ -113,16 +113,11 @@ def recording_partitions():
 
 
 def compiled_saves(model, ids, labels, backend) -> list[Saved]:
-    """The saved tensors of the training step's compiled graph(s), from one fresh compile."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
+    """The saved tensors of the training step's compiled graph, from one fresh compile."""
+    from fusionpass.explain import fresh_compile_caches
 
     torch._dynamo.reset()
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(inductor_config.patch(fx_graph_cache=False))
-        if hasattr(functorch_config, "enable_autograd_cache"):
-            stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
-        found = stack.enter_context(recording_partitions())
+    with fresh_compile_caches(), recording_partitions() as found:
         # one graph (fullgraph): the step's partition is the only one
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         try:
@@ -137,9 +132,12 @@ def compiled_saves(model, ids, labels, backend) -> list[Saved]:
     return saved_tensors(fw, bw)
 
 
+OUTSIDE = "outside the layers"
+
+
 def layer_of(where: str) -> str:
     m = re.search(r"layers\.(\d+)", where)
-    return f"layer {m.group(1)}" if m else "outside the layers"
+    return f"layer {m.group(1)}" if m else OUTSIDE
 
 
 def part_of(where: str) -> str:
@@ -149,22 +147,21 @@ def part_of(where: str) -> str:
 
 
 def summarize(saved: list[Saved], tokens: int) -> dict:
-    acts = [s for s in saved if not s.is_input]
-    by_layer, by_part_op = Counter(), Counter()
-    for s in acts:
-        by_layer[layer_of(s.where)] += s.bytes
-        if layer_of(s.where) != "outside the layers":
-            by_part_op[(part_of(s.where), s.op, s.dtype, s.shape)] += 1
-    layers = sorted(k for k in by_layer if k.startswith("layer "))
+    acts = [(layer_of(s.where), s) for s in saved if not s.is_input]
+    by_layer = Counter()
+    for layer, s in acts:
+        by_layer[layer] += s.bytes
+    layers = sorted((k for k in by_layer if k != OUTSIDE), key=lambda k: int(k.split()[1]))
+    first = layers[0] if layers else None
     return {
-        "activation_bytes": sum(s.bytes for s in acts),
+        "activation_bytes": sum(s.bytes for _, s in acts),
         "input_bytes": sum(s.bytes for s in saved if s.is_input),
         "per_layer_bytes": {k: by_layer[k] for k in layers},
-        "outside_layers_bytes": by_layer.get("outside the layers", 0),
+        "outside_layers_bytes": by_layer.get(OUTSIDE, 0),
         "per_token_per_layer_bytes": (sum(by_layer[k] for k in layers) / len(layers) / tokens) if layers else 0,
         # one layer's saves (the first), each tensor once: what a layer keeps for its backward
-        "first_layer": [dataclasses.asdict(s) for s in acts if layer_of(s.where) == (layers[0] if layers else None)],
-        "outside": [dataclasses.asdict(s) for s in acts if layer_of(s.where) == "outside the layers"],
+        "first_layer": [dataclasses.asdict(s) for layer, s in acts if layer == first],
+        "outside": [dataclasses.asdict(s) for layer, s in acts if layer == OUTSIDE],
     }
 
 

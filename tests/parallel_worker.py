@@ -20,6 +20,7 @@ Parallelisms, as their frameworks apply them:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 WORLD = 2
+DATA_PARALLEL = ("ddp", "ddp_python_reducer", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,26 +116,31 @@ def tensor_parallel_plan(sequence_parallel: bool):
     return plan
 
 
+def _step(forward, context=contextlib.nullcontext):
+    """A training step (ids, labels) -> loss: `forward`, then the loss's backward, both inside
+    `context` (loss_parallel's backward must run inside it too)."""
+    def step(ids, labels):
+        with context():
+            loss = forward(ids, labels)
+            loss.backward()
+        return loss.detach()
+
+    return step
+
+
 def parallelize(net, loss_fn, parallelism: str, mesh, backend):
-    """The training step's callable (ids, labels) -> loss, under `parallelism`, compiled with
-    `backend` where that parallelism's framework compiles."""
+    """The training step (`_step`) under `parallelism`, compiled with `backend` where that
+    parallelism's framework compiles."""
     if parallelism in ("ddp", "ddp_python_reducer"):
         from torch.nn.parallel import DistributedDataParallel
 
         compiled = torch.compile(DistributedDataParallel(WithLoss(net, loss_fn), bucket_cap_mb=1),
                                  backend=backend)
         if parallelism == "ddp":
-            return compiled
-
-        def step(ids, labels):
-            # DDP's gradient hooks traced by compiled autograd: one forward graph, no split
-            with torch._dynamo.config.patch(optimize_ddp="python_reducer", compiled_autograd=True):
-                loss = compiled(ids, labels)
-                loss.backward()
-            return loss.detach()
-
-        step.backward_done = True
-        return step
+            return _step(compiled)
+        # DDP's gradient hooks traced by compiled autograd: one forward graph, no split
+        return _step(compiled, lambda: torch._dynamo.config.patch(optimize_ddp="python_reducer",
+                                                                  compiled_autograd=True))
     if parallelism == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -142,7 +149,7 @@ def parallelize(net, loss_fn, parallelism: str, mesh, backend):
         fully_shard(net, mesh=mesh)
         for block in blocks(net):
             block.compile(backend=backend)
-        return lambda ids, labels: loss_fn(net(ids), labels)
+        return _step(lambda ids, labels: loss_fn(net(ids), labels))
     if parallelism in ("tp", "tp_sp"):
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -153,28 +160,20 @@ def parallelize(net, loss_fn, parallelism: str, mesh, backend):
             parallelize_module(block, mesh, tensor_parallel_plan(sp))
             block.attention.n_heads //= WORLD
             block.attention.n_kv_heads //= WORLD
-        if sp:
-            from torch.distributed.tensor import Replicate, Shard
-            from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                           SequenceParallel, loss_parallel)
+        if not sp:
+            return _step(torch.compile(WithLoss(net, loss_fn), backend=backend))
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       SequenceParallel, loss_parallel)
 
-            parallelize_module(net, mesh, {
-                "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-                "norm": SequenceParallel(),
-                "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                                          use_local_output=False),
-            })
-            compiled = torch.compile(net, backend=backend)
-
-            def step(ids, labels):
-                with loss_parallel():
-                    loss = loss_fn(compiled(ids), labels)
-                    loss.backward()  # loss_parallel's backward must run inside it too
-                return loss.detach().full_tensor()
-
-            step.backward_done = True
-            return step
-        return torch.compile(WithLoss(net, loss_fn), backend=backend)
+        parallelize_module(net, mesh, {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                      use_local_output=False),
+        })
+        compiled = torch.compile(net, backend=backend)
+        return _step(lambda ids, labels: loss_fn(compiled(ids), labels), loss_parallel)
     raise ValueError(parallelism)
 
 
@@ -190,10 +189,7 @@ def train_step(case: Case, mesh, backend, ids, labels) -> dict:
     net, loss_fn = build(case.model)
     net.train()
     with compiling():
-        step = parallelize(net, loss_fn, case.parallelism, mesh, backend)
-        loss = step(ids, labels)
-        if not getattr(step, "backward_done", False):
-            loss.backward()
+        loss = parallelize(net, loss_fn, case.parallelism, mesh, backend)(ids, labels)
         grads = {name: full(p.grad).detach().clone() for name, p in net.named_parameters()
                  if p.grad is not None}
         return {"loss": full(loss).detach(), "grads": grads,
@@ -211,7 +207,7 @@ def run_rank(rank: int, case: Case, port: int, out: str) -> None:
 
         mesh = init_device_mesh("cpu", (WORLD,))
         # data parallelism: a batch of its own per rank; tensor parallelism: the same batch
-        seed = rank if case.parallelism in ("ddp", "fsdp") else 0
+        seed = rank if case.parallelism in DATA_PARALLEL else 0
         gen = torch.Generator().manual_seed(100 + seed)
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
         labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
