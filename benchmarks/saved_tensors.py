@@ -173,6 +173,8 @@ def versions(device: str) -> dict:
         "plain torch.compile": "inductor",
         "fusionpass": fusionpass.backend(cpu=cpu),
         "fusionpass + swiglu_mlp_kernel": fusionpass.backend(cpu=cpu, swiglu_mlp_kernel=True),
+        "fusionpass + swiglu_mlp_recompute_product": fusionpass.backend(
+            cpu=cpu, swiglu_mlp_recompute_product=True),
     }
 
 

@@ -98,8 +98,9 @@ class _Statistics:
     """Match counts per fusion and per variant, and near misses, since the last reset.
 
     Dynamo may abandon a compile and trace the frame again (e.g. with dynamic=True, once it has to
-    specialize a float that our op takes): a record replaces the one of an earlier attempt at the
-    same compile, so an abandoned graph never counts.
+    specialize a float that our op takes): a record replaces those of an earlier attempt at the
+    same compile, so an abandoned graph never counts. The graphs of one attempt all count: DDP's
+    graph split (DDPOptimizer) compiles each subgraph under the one compile id.
     """
 
     def __init__(self):
@@ -108,18 +109,19 @@ class _Statistics:
 
     def reset(self) -> None:
         with self._lock:
-            self._records: dict = {}
+            self._records: list[registry.Record] = []
 
     def add(self, record: registry.Record) -> None:
-        key = record.compile_id if record.compile_id is not None else object()
         with self._lock:
-            self._records.pop(key, None)
-            self._records[key] = record
+            if record.compile_id is not None:
+                self._records = [r for r in self._records
+                                 if r.compile_id != record.compile_id or r.attempt == record.attempt]
+            self._records.append(record)
 
     @property
     def records(self) -> list[registry.Record]:
         with self._lock:
-            return list(self._records.values())
+            return list(self._records)
 
     def _summed(self, field: str) -> Counter:
         out: Counter = Counter()
@@ -169,8 +171,9 @@ class PreGradFusionPass(CustomGraphPass):
 
         from torch._guards import CompileContext
 
-        compile_id = CompileContext.current_compile_id()
-        record = registry.Record(compile_id=None if compile_id is None else str(compile_id))
+        trace_id = CompileContext.current_trace_id()
+        record = registry.Record() if trace_id is None else registry.Record(
+            compile_id=str(trace_id.compile_id), attempt=trace_id.attempt)
         changed = 0
         for name, fusion in registry.registered().items():
             if name in self.config.fusions:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
-from fusionpass.patterns.graph import where
+from fusionpass.patterns.graph import tensor_subclass, where
 
 if TYPE_CHECKING:
     from fusionpass.config import Config
@@ -133,6 +133,7 @@ class Record:
     """What one pass over one graph found."""
 
     compile_id: str | None = None  # Dynamo's compile id (frame and recompile, not the attempt)
+    attempt: int = 0  # Dynamo's attempt at that compile (it restarts an analysis with attempt + 1)
     matches: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     # the same matches by (fusion, Variant.name of the search that found them); equal to `matches`
     # where every Match names its own Variant, as the conformance gate's coverage expects
@@ -279,7 +280,8 @@ def apply(fusion: Fusion, graph: fx.Graph, config: Config, record: Record) -> in
             if why is not None:
                 record.missed(fusion.name, node, why)
             continue
-        reason = next(
+        reason = tensor_subclass([match.anchor, *match.nodes])
+        reason = f"tensor subclass: {reason}" if reason is not None else next(
             (
                 f"{guard.name}: {why}"
                 for guard in fusion.guards

@@ -377,7 +377,8 @@ def _swiglu_case(form, dtype, shape, train):
     b, s, hidden, inter = shape
     # the default cost rule selects decode-sized inference only; the rest is opened
     decode = not train and b * s <= DECODE_MAX_ROWS
-    config = None if decode else {"swiglu_mlp_kernel": True}
+    # training without the down projection in the op (the default recomputes h: the cases below)
+    config = None if decode else {"swiglu_mlp_kernel": True, "swiglu_mlp_recompute_product": False}
     return _case("swiglu_mlp", variant, form, dtype, f"b{b}-s{s}-k{hidden}-n{inter}", train,
                  _maker(_swiglu_build, form, shape), {"swiglu_mlp": 1}, config)
 
@@ -400,7 +401,20 @@ def _swiglu_cases():
         _swiglu_case("llama_mlp_bias", BF16, (4, 16, 384, 1031), False),
         _swiglu_case("gemma", FP16, (5, 13, 384, 1031), False),
     ]
+    # training at the default: the down projection in the op (swiglu_mlp_recompute_product),
+    # every form, the dtypes in turn, at both prefill shapes
+    dtypes = itertools.cycle(ALL_DTYPES)
+    cases += [_swiglu_recompute_case(form, next(dtypes), shape)
+              for form in SWIGLU_FORMS for shape in SWIGLU_SHAPES[1:]]
     return cases
+
+
+def _swiglu_recompute_case(form, dtype, shape):
+    variant = SWIGLU_FORMS[form][3]
+    b, s, hidden, inter = shape
+    return _case("swiglu_mlp", variant, f"{form}+recompute_product", dtype,
+                 f"b{b}-s{s}-k{hidden}-n{inter}", True, _maker(_swiglu_build, form, shape),
+                 {"swiglu_mlp": 1}, None)
 
 
 # =============================================================================================

@@ -146,6 +146,11 @@ def _backward(ctx, dh, dg_out, du_out):
         dg = du = None
     else:
         dg, du = torch.ops.fusionpass.swiglu_backward(dh, g, u, ctx.activation)
+    return _gate_up_grads(ctx, x, w_gate, w_up, g, u, dg, du, dg_out, du_out)
+
+
+def _gate_up_grads(ctx, x, w_gate, w_up, g, u, dg, du, dg_out, du_out):
+    """(dx, dW_gate, db_gate, dW_up, db_up) from the pre-activations' gradients (matmuls, sums)."""
     if dg_out is not None:
         dg = dg_out if dg is None else dg + dg_out
     if du_out is not None:
@@ -166,3 +171,102 @@ def _backward(ctx, dh, dg_out, du_out):
 
 
 swiglu.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# fusionpass::swiglu_down: the same MLP with its down projection, for training,
+#     y = h @ w_down^T + b_down,  h = act(g) * u
+# returning (y, g, u). h is the op's intermediate, not an output: the backward recomputes it from
+# g and u (one elementwise pass) instead of keeping it. With h an output that a down-projection
+# GEMM reads, Inductor's partitioner keeps h for that GEMM's weight gradient, a third ffn-wide
+# tensor per token next to g and u (benchmarks/results/memory/saved_tensors.md).
+
+
+def _reference_act_mul(g, u, activation):
+    return (_act(g.float(), activation) * u.float()).to(g.dtype)
+
+
+@torch.library.custom_op("fusionpass::swiglu_act_mul_host", mutates_args=())
+def _act_mul_host(g: Tensor, u: Tensor, activation: str) -> Tensor:
+    _check(activation)
+    if host.interpreting():
+        from fusionpass.kernels.swiglu import act_mul_fwd
+
+        return act_mul_fwd(g, u, activation).contiguous()
+    return _reference_act_mul(g, u, activation).contiguous()
+
+
+@_act_mul_host.register_fake
+def _(g, u, activation):
+    return torch.empty_like(g, memory_format=torch.contiguous_format)
+
+
+def _act_mul(g: Tensor, u: Tensor, activation: str) -> Tensor:
+    if g.device.type != "cuda":
+        return _act_mul_host(g, u, activation)
+    from fusionpass.kernels.swiglu import act_mul_fwd
+
+    return act_mul_fwd(g, u, activation)
+
+
+@torch.library.triton_op("fusionpass::swiglu_down", mutates_args=())
+def swiglu_down(
+    x: Tensor,
+    w_gate: Tensor,
+    b_gate: Tensor | None,
+    w_up: Tensor,
+    b_up: Tensor | None,
+    w_down: Tensor,
+    b_down: Tensor | None,
+    activation: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if x.device.type != "cuda":
+        h, g, u = _forward_host(x, w_gate, b_gate, w_up, b_up, activation)
+    else:
+        _check(activation)
+        h, g, u = _kernel_forward(x, w_gate, b_gate, w_up, b_up, activation)
+    return F.linear(h, w_down, b_down), g, u
+
+
+@torch.library.triton_op("fusionpass::swiglu_down_backward", mutates_args=())
+def swiglu_down_backward(
+    dy: Tensor, w_down: Tensor, g: Tensor, u: Tensor, activation: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dg, du, dW_down) for y's gradient dy, with h = act(g) * u recomputed here."""
+    _check(activation)
+    n = g.shape[-1]
+    h2 = _act_mul(g, u, activation).reshape(-1, n)
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dw_down = dy2.t() @ h2
+    dh = (dy2 @ w_down).view(g.shape)
+    if dh.device.type != "cuda":
+        dg, du = _backward_host(dh, g, u, activation)
+    else:
+        dg, du = _kernel_backward(dh, g, u, activation)
+    return dg, du, dw_down
+
+
+def _setup_context_down(ctx, inputs, output):
+    x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation = inputs
+    _, g, u = output
+    ctx.save_for_backward(x, w_gate, w_up, w_down, g, u)
+    ctx.activation = activation
+    ctx.has_bias = (b_gate is not None, b_up is not None)
+    ctx.has_down_bias = b_down is not None
+    ctx.set_materialize_grads(False)
+
+
+def _backward_down(ctx, dy, dg_out, du_out):
+    x, w_gate, w_up, w_down, g, u = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dw_down = db_down = dg = du = None
+    if dy is not None:
+        dg, du, dw_down = torch.ops.fusionpass.swiglu_down_backward(dy, w_down, g, u, ctx.activation)
+        if ctx.has_down_bias and need[6]:
+            db_down = dy.reshape(-1, dy.shape[-1]).sum(0)
+    grads = _gate_up_grads(ctx, x, w_gate, w_up, g, u, dg, du, dg_out, du_out)
+    return (*grads[:5], dw_down if need[5] else None, db_down, None)
+
+
+swiglu_down.register_autograd(_backward_down, setup_context=_setup_context_down)
+

@@ -226,6 +226,27 @@ def device_supported(node_of):
     return guard
 
 
+def tensor_subclass(nodes: Iterable[fx.Node]) -> str | None:
+    """Why a match over `nodes` (and their inputs) is left alone because a value is a tensor
+    subclass, or None. Our ops take plain tensors: a DTensor (tensor or sequence parallelism)
+    would reach an op with no sharding rule, and other wrapper subclasses are not ours to unwrap."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    seen = set()
+    for node in nodes:
+        for n in (node, *node.all_input_nodes):
+            if n in seen:
+                continue
+            seen.add(n)
+            v = value(n)
+            if isinstance(v, torch.Tensor) and is_traceable_wrapper_subclass(v):
+                layout = getattr(v, "placements", None)
+                layout = f" {', '.join(map(str, layout))}" if layout is not None else ""
+                return (f"{where(n)} is a {type(v).__name__}{layout}: fusionpass's ops take plain "
+                        "tensors (no sharding rule); Inductor compiles it")
+    return None
+
+
 def last_dim_contiguous(t: torch.Tensor) -> bool:
     return t.dim() == 0 or t.shape[-1] == 1 or t.stride(-1) == 1
 

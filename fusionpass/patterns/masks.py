@@ -264,6 +264,11 @@ class MaskAnalysis:
         return self.memo[arg]
 
     def _eval(self, node: fx.Node):
+        if node.op == "placeholder":
+            # built in another graph: a graph break, or DDP's graph split at bucket boundaries
+            # (docs/parallelism.md), hands this graph the finished mask, whose values are unknown
+            raise Unprovable(f"the mask is an input of this graph ({node.target}), built in "
+                             "another graph")
         t = _target(node)
         if t is torch.arange:
             if len(node.args) != 1 or set(node.kwargs) - {"device", "dtype"}:

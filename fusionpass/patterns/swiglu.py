@@ -7,11 +7,18 @@ and act is F.silu or F.gelu(approximate="tanh") (Gemma's `gelu_pytorch_tanh`), a
 them. h is replaced by fusionpass::swiglu(x, W_gate, b_gate, W_up, b_up, act)[0]; Phi-3's fused
 weight is passed as two row slices (views). The down projection stays a library GEMM reading h.
 
-Cost rule (ROWS; why: benchmarks/results/latest/swiglu_mlp.md): selected for decode-sized
-inference, at most the decode kernel's rows (kernels/swiglu.py, DECODE_MAX_M) known statically,
-where one kernel reads both weights once. Not selected for more rows or for training, where the
-library GEMMs with Inductor's fused act*mul are as fast and use less memory. Config
-.swiglu_mlp_kernel (FUSIONPASS_SWIGLU_MLP_KERNEL=1) selects it everywhere it matches.
+Cost rule (ROWS; why: benchmarks/results/latest/swiglu_mlp.md): in inference, selected for
+decode-sized rows, at most the decode kernel's rows (kernels/swiglu.py, DECODE_MAX_M) known
+statically, where one kernel reads both weights once; for more rows the library GEMMs with
+Inductor's fused act*mul are as fast. Config.swiglu_mlp_kernel (FUSIONPASS_SWIGLU_MLP_KERNEL=1)
+selects it everywhere it matches.
+
+In training (RECOMPUTE, Config.swiglu_mlp_recompute_product, on by default) the op replaces the
+down projection too: fusionpass::swiglu_down(x, ..., W_down, b_down, act)[0] takes the down
+linear's place, and its backward recomputes h from g and u instead of keeping it (ops/swiglu.py):
+one ffn-wide tensor per token fewer kept for the backward, for one elementwise pass
+(benchmarks/results/memory/). Without it (=0), training keeps Inductor's code, whose partitioner
+keeps h next to g and u.
 """
 from __future__ import annotations
 
@@ -35,6 +42,8 @@ SUPPORTED = ("silu", "gelu_tanh")
 
 # The cost rule (module docstring): decode-sized inference only, unless swiglu_mlp_kernel
 ANY_SIZE = Switch("swiglu_mlp_kernel")
+# training with the down projection in the op (module docstring)
+RECOMPUTE = Switch("swiglu_mlp_recompute_product", "training matches, with the down projection")
 ROWS = Range("rows", training=None, inference=(None, DECODE_MAX_M))
 ANYWAY = "swiglu_mlp_kernel=True / FUSIONPASS_SWIGLU_MLP_KERNEL=1 selects it anyway"
 
@@ -183,6 +192,8 @@ def decode_rows(m: Match, cfg) -> str | None:
     k = g.static_int(x.shape[-1])
     rows = g.static_int(x.numel()) // k if k and g.static_int(x.numel()) is not None else None
     training = mode(g.tensor(m.bindings["h"]).requires_grad)
+    if training == "training" and RECOMPUTE.on(cfg):
+        return None
     if training == "training":
         why = ROWS.check(1, training, cfg)
     elif rows is None:
@@ -262,6 +273,17 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
         b_gate = _row_slice(graph, b["b_gate"], gate_index * half, half, h)
         w_up = _row_slice(graph, b["w_up"], up_index * half, half, h)
         b_up = _row_slice(graph, b["b_up"], up_index * half, half, h)
+    if _with_down_projection(m, cfg):
+        down = next(iter(h.users))  # the one down linear (guard down_projection)
+        _, w_down, b_down = _linear_parts(down)
+        fused = g.insert_call(
+            graph, down, torch.ops.fusionpass.swiglu_down.default,
+            (b["x"], w_gate, b_gate, w_up, b_up, w_down, b_down, b["activation"]), down,
+        )
+        y, _, _ = g.insert_getitems(graph, fused, 3)
+        down.replace_all_uses_with(y)
+        g.erase_unused(graph, [down, *m.nodes])
+        return
     fused = g.insert_call(
         graph, h, torch.ops.fusionpass.swiglu.default,
         (b["x"], w_gate, b_gate, w_up, b_up, b["activation"]), h,
@@ -269,6 +291,11 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
     new_h, _, _ = g.insert_getitems(graph, fused, 3)
     h.replace_all_uses_with(new_h)
     g.erase_unused(graph, m.nodes)
+
+
+def _with_down_projection(m: Match, cfg) -> bool:
+    """Training with swiglu_mlp_recompute_product: the down projection goes into the op."""
+    return RECOMPUTE.on(cfg) and g.tensor(m.bindings["h"]).requires_grad
 
 
 VARIANTS = (
@@ -287,6 +314,9 @@ class Options:
     """swiglu_mlp: by default only decode-sized inference goes to fusionpass::swiglu (ROWS)."""
 
     kernel: bool = option(False, "route every match (prefill, training) to fusionpass::swiglu")
+    recompute_product: bool = option(
+        True, "training: fuse the down projection too and recompute act(g) * u in the backward "
+        "(one ffn-wide tensor per token fewer kept for the backward)")
 
 
 SWIGLU_MLP = registry.register(
@@ -294,7 +324,7 @@ SWIGLU_MLP = registry.register(
         name="swiglu_mlp",
         summary="`act(gate(x)) * up(x)` into the down projection (SiLU, GELU-tanh, Phi-3's fused gate_up)",
         options=Options,
-        cost=(ANY_SIZE, ROWS),
+        cost=(ANY_SIZE, RECOMPUTE, ROWS),
         matches=(
             "the gated MLP act(gate(x)) * up(x) (HF Llama/Mistral/Qwen2 SiLU, Gemma GELU-tanh, "
             "Phi-3's fused gate_up_proj + chunk), with or without biases; the down projection "

@@ -60,9 +60,11 @@ def test_accelerate_compile_regions_after_install():
     finally:
         fusionpass.uninstall()
     # a graph per decoder layer (each specializes on its layer_idx): its post-attention norm reads
-    # the residual sum, its input norm a graph input; the final norm is in the rest of the model
+    # the residual sum, its input norm a graph input, and its MLP is trained through swiglu_mlp's
+    # default (the product recomputed); the final norm is in the rest of the model
     layers = config.num_hidden_layers
-    assert stats == {("rms_norm_residual", "llama"): layers, ("rms_norm_residual", "llama_no_residual"): layers + 1}, stats
+    assert stats == {("rms_norm_residual", "llama"): layers, ("rms_norm_residual", "llama_no_residual"): layers + 1,
+                     ("swiglu_mlp", "silu"): layers}, stats
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
     for name, grad in expected[1].items():
         torch.testing.assert_close(got[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)

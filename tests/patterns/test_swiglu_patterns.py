@@ -65,14 +65,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+# training: the default puts the down projection in the op (swiglu_down); without recompute the op
+# returns h for the library down projection (fusionpass::swiglu's training path)
+@pytest.mark.parametrize("train,recompute", [(False, True), (True, True), (True, False)],
+                         ids=["inference", "training", "training_keep_h"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_forms_match_and_agree(case, bias, train):
+def test_forms_match_and_agree(case, bias, train, recompute):
     make, variant = CASES[case]
     mlp = make(bias)
     x = torch.randn(2, 5, K)
-    got, stats = compile_and_count(mlp, x, fusions=[FUSION], train=train)
+    got, stats = compile_and_count(mlp, x, fusions=[FUSION], train=train,
+                                   swiglu_mlp_recompute_product=recompute)
     assert stats == {(FUSION, variant): 1}
     assert near_misses() == []
     assert_outcomes_close(got, eager(mlp, x, train=train), rtol=1e-4)
@@ -97,17 +101,18 @@ def test_bf16_agrees_with_plain_compile():
     assert_outcomes_close(got, expected, BF16)
 
 
-@pytest.mark.parametrize("rows,train,why", [
-    (6, False, None),  # decode-sized inference: selected by default
-    (6, True, "cost: not selected in training; swiglu_mlp_kernel=True"),
-    (65, False, "cost: rows 65 > 64 in inference; swiglu_mlp_kernel=True"),
+@pytest.mark.parametrize("rows,train,settings,why", [
+    (6, False, {}, None),  # decode-sized inference: selected by default
+    (65, True, {}, None),  # training: selected by default, with the down projection (recompute)
+    (6, True, {"swiglu_mlp_recompute_product": False}, "cost: not selected in training; swiglu_mlp_kernel=True"),
+    (65, False, {}, "cost: rows 65 > 64 in inference; swiglu_mlp_kernel=True"),
 ])
-def test_default_cost_rule(monkeypatch, rows, train, why):
+def test_default_cost_rule(monkeypatch, rows, train, settings, why):
     monkeypatch.delenv("FUSIONPASS_SWIGLU_MLP_KERNEL")
     mlp = GatedMLP().train(train)
     x = torch.randn(rows, K)
     with torch.set_grad_enabled(train):
-        got, stats = compile_and_count(mlp, x, fusions=[FUSION], train=train)
+        got, stats = compile_and_count(mlp, x, fusions=[FUSION], train=train, **settings)
         want = eager(mlp, x, train=train)
     if why is None:
         assert stats == {(FUSION, "silu"): 1} and near_misses() == []
@@ -197,3 +202,62 @@ def test_tiny_hf_llama_one_match_per_layer():
     assert stats == {(FUSION, "silu"): 2}
     assert near_misses() == []
     assert_outcomes_close(got, eager(model, ids, kwargs=kwargs), rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# swiglu_mlp_recompute_product (the training default): the down projection in the op
+
+
+def _saved_shapes(fn, x) -> list[tuple[int, ...]]:
+    """The shapes autograd keeps for the backward of one call of `fn` (compiled already)."""
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(tuple(t.shape)) or t, lambda t: t):
+        fn(x)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+@pytest.mark.parametrize("case,bias", [("silu", True), ("gelu_tanh", False), ("phi3", False)])
+def test_recompute_product_training(monkeypatch, case, bias, dtype):
+    """The down projection joins the op, gradients equal plain compile's, and no [rows, N]
+    tensor beyond g and u is kept for the backward (plain compile keeps h too)."""
+    monkeypatch.delenv("FUSIONPASS_SWIGLU_MLP_KERNEL")
+    make, variant = CASES[case]
+    torch.manual_seed(0)
+    mlp = make(bias).to(dtype)
+    if bias:
+        mlp.down_proj.bias = nn.Parameter(torch.randn(K, dtype=dtype))
+    x = torch.randn(3, 29, K, dtype=dtype)  # 87 rows: the library-GEMM regime
+    got, stats = compile_and_count(mlp, x, fusions=[FUSION], train=True)
+    assert stats == {(FUSION, variant): 1}
+    assert near_misses() == []
+    with compiling():
+        expected = run(torch.compile(mlp, backend="inductor", fullgraph=True), mlp, (x,), train=True)
+        plain_saved = _saved_shapes(torch.compile(mlp, backend="inductor", fullgraph=True), x.requires_grad_())
+    assert_outcomes_close(got, expected, dtype, rtol=1e-4 if dtype == FP32 else None)
+    import fusionpass
+    from helpers import make_backend
+
+    with compiling():
+        ours = torch.compile(mlp, backend=make_backend([FUSION]), fullgraph=True)
+        ours(x)
+        ours_saved = _saved_shapes(ours, x)
+    assert fusionpass.stats()
+    rows = x.numel() // K
+
+    def ffn_wide(shapes):  # elements of the kept [rows, N] activations (Phi-3's g, u: one [rows, 2N])
+        return sum(torch.Size(s).numel() for s in shapes
+                   if s[-1] in (N, 2 * N) and torch.Size(s[:-1]).numel() == rows)
+
+    assert ffn_wide(plain_saved) >= 3 * rows * N and ffn_wide(ours_saved) == 2 * rows * N, (
+        plain_saved, ours_saved)
+
+
+def test_recompute_product_not_in_inference(monkeypatch):
+    """Inference keeps the default cost rule (the setting is about what training keeps)."""
+    monkeypatch.delenv("FUSIONPASS_SWIGLU_MLP_KERNEL")
+    mlp = GatedMLP("silu")
+    x = torch.randn(3, 29, K)
+    _, stats = compile_and_count(mlp, x, fusions=[FUSION], train=False)
+    assert stats == {}
+    assert [m[2].split(";")[0] for m in near_misses()] == ["cost: rows 87 > 64 in inference"]
