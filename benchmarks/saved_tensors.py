@@ -171,10 +171,12 @@ def versions(device: str) -> dict:
     cpu = device == "cpu"
     return {
         "plain torch.compile": "inductor",
+        # the default recomputes the SwiGLU product in training (swiglu_mlp_recompute_product)
         "fusionpass": fusionpass.backend(cpu=cpu),
-        "fusionpass + swiglu_mlp_kernel": fusionpass.backend(cpu=cpu, swiglu_mlp_kernel=True),
-        "fusionpass + swiglu_mlp_recompute_product": fusionpass.backend(
-            cpu=cpu, swiglu_mlp_recompute_product=True),
+        "fusionpass, swiglu_mlp_recompute_product=False": fusionpass.backend(
+            cpu=cpu, swiglu_mlp_recompute_product=False),
+        "fusionpass, swiglu_mlp_recompute_product=False + swiglu_mlp_kernel": fusionpass.backend(
+            cpu=cpu, swiglu_mlp_recompute_product=False, swiglu_mlp_kernel=True),
     }
 
 
