@@ -13,8 +13,8 @@ child, timed interleaved (fusionpass.bench.time_interleaved), as every other sid
 Liger's versions get their own (`apply_liger_kernel_to_llama` before the model is built, eager or
 under torch.compile).
 
-Peak: torch.cuda.max_memory_allocated during one step, above what is allocated before it once the
-gradients exist (kept, not freed), so weights and gradients are not counted.
+Peak: torch.cuda.max_memory_allocated during one step that starts without gradients, less what was
+allocated before it (the weights) and less the gradients it made (step_peak).
 
 --largest-s: for each version, the largest S (a multiple of --s-step) at which the 8B-shaped
 4-layer model (LARGEST_S_ROW) trains at B1. The peak grows about linearly in S, so two measured
@@ -104,17 +104,24 @@ def _compiled(model, version: str, device: str):
 
 
 def step_peak(step: Callable[[], object], params) -> int | None:
-    """Peak bytes of one step above weights and gradients (None off CUDA)."""
+    """Peak bytes of one step above weights and gradients (None off CUDA).
+
+    The step starts without gradients (step() sets them to None), and their bytes are taken off
+    the peak afterwards. Starting with allocated gradients instead would count a second copy of
+    each: the compiled backward returns every new gradient at once, before they are added in."""
     if not torch.cuda.is_available() or not params or params[0].device.type != "cuda":
         step()
         return None
-    step()  # the gradients now exist; they stay allocated through the measured step
+    step()  # the compile
     torch.cuda.synchronize()
+    for t in params:
+        t.grad = None
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in params if t.grad is not None)
+    return torch.cuda.max_memory_allocated() - base - grads
 
 
 def run_probe(probe: Probe) -> dict:
@@ -137,7 +144,9 @@ def run_probe(probe: Probe) -> dict:
             compiled = _compiled(model, version, probe.device)
 
             def step(compiled=compiled):
-                compiled(input_ids=ids, labels=ids).loss.backward()  # grads accumulate in place
+                for t in params:  # assigned, not accumulated (as fusionpass.bench.training_step)
+                    t.grad = None
+                compiled(input_ids=ids, labels=ids).loss.backward()
 
             try:
                 peak = step_peak(step, params)
