@@ -134,6 +134,7 @@ def run_probe(probe: Probe) -> dict:
     liger = any(v.startswith("liger") for v in probe.versions)
     model = _build(probe, liger)
     params = [p for p in model.parameters() if p.requires_grad]
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)  # and as many for the grads
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, probe.shape["vocab"], (probe.batch, probe.seq), generator=gen).to(probe.device)
     out, steps = {}, {}
@@ -156,6 +157,7 @@ def run_probe(probe: Probe) -> dict:
                 torch.cuda.empty_cache()
                 continue
             out[version] = {"peak_gib": None if peak is None else round(peak / GIB, 2),
+                            "weights_and_grads_gib": round(2 * weight_bytes / GIB, 2),
                             "matches": dict(sorted(fusionpass.stats().items())) if version == "fusionpass" else {}}
             steps[version] = step
             model.zero_grad(set_to_none=True)
@@ -170,7 +172,7 @@ def in_child(probe: Probe, timeout_s: float | None = None) -> dict:
     """run_probe in a fresh Python process; a crash or a timeout becomes an error per version."""
     cmd = [sys.executable, __file__, "--child", json.dumps(dataclasses.asdict(probe))]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {v: {"error": f"timed out after {timeout_s:.0f} s"} for v in probe.versions}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -225,25 +227,18 @@ def largest_s(version: str, shape: dict, device: str, step: int, fit_points=(163
               timeout_s: float | None = None) -> dict:
     """Measure two peaks, predict the limit from the GPU's total memory less weights and grads
     (what run_probe does not count), then probe around it."""
-    def peak(s: int) -> float | None:
-        got = in_child(Probe((version,), shape, 1, s, device, timed=False), timeout_s)[version]
-        return None if "error" in got else got["peak_gib"]
+    def probe(s: int) -> dict:
+        return in_child(Probe((version,), shape, 1, s, device, timed=False), timeout_s)[version]
 
-    points = [(s, peak(s)) for s in fit_points]
-    if any(p is None for _, p in points):
-        return {"error": f"a fitting point did not run: {points}"}
+    runs = {s: probe(s) for s in fit_points}
+    if any("error" in r for r in runs.values()):
+        return {"error": f"a fitting point did not run: {runs}"}
+    points = [(s, r["peak_gib"]) for s, r in runs.items()]
     total = torch.cuda.get_device_properties(0).total_memory / GIB
-    weights_and_grads = 2 * 2 * _parameters(shape) / GIB  # bf16 weights + bf16 grads
+    weights_and_grads = runs[fit_points[0]]["weights_and_grads_gib"]
     guess = predict_limit(points, total - weights_and_grads, step)
-    found = largest_fitting(lambda s: peak(s) is not None, guess, step)
+    found = largest_fitting(lambda s: "error" not in probe(s), guess, step)
     return {"points_gib": dict(points), "predicted": guess, **found}
-
-
-def _parameters(shape: dict) -> int:
-    h, f, v = shape["width"], shape["intermediate"], shape["vocab"]
-    kv = h // shape["heads"] * shape["kv_heads"]
-    per_layer = h * (2 * h + 2 * kv) + 3 * h * f + 2 * h
-    return shape["layers"] * per_layer + 2 * v * h + h
 
 
 # ---------------------------------------------------------------------------------------------

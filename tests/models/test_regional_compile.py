@@ -38,7 +38,7 @@ SETTINGS = dict(rope_min_tokens=1, linear_cross_entropy_min_vocab=1)
 NORM_VARIANT = {"torch": "torch_rms_norm", "llama": "llama"}
 
 
-def block_counts(norm: str, rope: str, train: bool) -> dict:
+def block_counts(norm: str, rope: str) -> dict:
     """What one block's graph matches: both norms (the first without a residual add), the real
     rotation (torchtitan's complex rotation is outside the rope patterns), and SwiGLU (in
     training with the down projection in the op, the default swiglu_mlp_recompute_product)."""
@@ -88,7 +88,7 @@ def test_per_block_compile_matches_every_norm(norm, rope, train):
     expected, _, _ = regional(copy.deepcopy(model), ids, train, compile_blocks_plain)
     got, stats, graphs = regional(model, ids, train, compile_blocks_backend)
     assert graphs == 1  # one graph for every block
-    assert stats == block_counts(norm, rope, train)
+    assert stats == block_counts(norm, rope)
     assert near_misses() == []
     assert_outcomes_close(got, expected, rtol=RTOL_FP32)
 
@@ -99,7 +99,7 @@ def test_block_compile_inside_enabled(train):
     expected, _, _ = regional(copy.deepcopy(model), ids, train, compile_blocks_plain)
     got, stats, graphs = regional(model, ids, train, compile_blocks_enabled)
     assert graphs == 1
-    assert stats == block_counts("torch", "rotate_half", train)
+    assert stats == block_counts("torch", "rotate_half")
     assert_outcomes_close(got, expected, rtol=RTOL_FP32)
 
 
@@ -207,7 +207,7 @@ def test_regional_training_step(rope):
         got = run(step, model, (ids, labels), train=True)
         stats, graphs = fusionpass.stats(variants=True), len(STATISTICS.records)
     assert graphs == 2  # the blocks' graph and the loss region's
-    expected_counts = block_counts("torch", rope, True)
+    expected_counts = block_counts("torch", rope)
     expected_counts[(RMS, "torch_rms_norm_no_residual")] += 1  # the final norm
     expected_counts[(LCE, "float_logits")] = 1
     assert stats == expected_counts
