@@ -84,6 +84,10 @@ class Fusion:
     # give it (an SDPA call transformers made with is_causal=True and no mask), else None: recorded
     # as information (explain's "already fast"), neither a match nor a near miss
     already_fast: Callable[[fx.Node], str | None] | None = None
+    # Whether its ops have DTensor sharding rules (torch.distributed.tensor.experimental
+    # .register_sharding, in the op's module): a match over DTensors then goes ahead, and DTensor
+    # runs the op on each rank's shard. Without them a DTensor is a near miss (tensor subclass).
+    dtensor: bool = False
     # The fusion's settings: a frozen dataclass whose fields have defaults and a `doc` in their
     # metadata (`option`). Each field is a `Config` setting named `<settings_prefix>_<field>`
     # (settings_prefix: the fusion's name unless given) with the environment override
@@ -280,7 +284,7 @@ def apply(fusion: Fusion, graph: fx.Graph, config: Config, record: Record) -> in
             if why is not None:
                 record.missed(fusion.name, node, why)
             continue
-        reason = tensor_subclass([match.anchor, *match.nodes])
+        reason = tensor_subclass([match.anchor, *match.nodes], dtensor_ok=fusion.dtensor)
         reason = f"tensor subclass: {reason}" if reason is not None else next(
             (
                 f"{guard.name}: {why}"

@@ -219,3 +219,53 @@ def _backward_plain(ctx, dy, _drstd):
 
 rms_norm_residual.register_autograd(_backward_residual, setup_context=_setup_residual)
 rms_norm.register_autograd(_backward_plain, setup_context=_setup_plain)
+
+
+# ---------------------------------------------------------------------------------------------
+# DTensor sharding rules (sequence parallelism: torchtitan's norms see Shard(1) activations).
+# A row's norm reads only that row, so x, the residual, y, the sum and rstd may be sharded alike
+# on any dimension but the last, with the weight replicated; the weight's gradient is then a sum
+# of per-shard parts (Partial). Anything else, DTensor redistributes to one of these first.
+
+
+def _row_shardings(ndim: int, tensors_in: int, weight: bool, outputs, backward: bool):
+    """[(output placements, input placements)] for each row dimension and for all-replicated:
+    the inputs are `tensors_in` row tensors (None where absent) then the weight, then flags."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    out = [([Replicate()] * len(outputs), [Replicate() if t else None for t in (*tensors_in, weight)])]
+    for d in range(ndim - 1):
+        shard = Shard(d)
+        outs = [shard] * len(outputs)
+        if backward:  # (dx, dweight)
+            outs = [shard, Partial() if outputs[1] else Replicate()]
+        out.append((outs, [shard if t else None for t in tensors_in] + [Replicate() if weight else None]))
+    return out
+
+
+def _register_sharding() -> None:
+    try:
+        from torch.distributed.tensor.experimental import register_sharding
+    except ImportError:  # torch built without distributed
+        return
+
+    flags = [None, None, None]
+
+    @register_sharding(torch.ops.fusionpass.rms_norm_residual.default)
+    def _(x, residual, weight, eps, weight_offset, weight_after_cast):
+        return [(o, i + flags) for o, i in
+                _row_shardings(x.ndim, (True, True), weight is not None, (1, 1, 1), False)]
+
+    @register_sharding(torch.ops.fusionpass.rms_norm.default)
+    def _(x, weight, eps, weight_offset, weight_after_cast):
+        return [(o, i + flags) for o, i in
+                _row_shardings(x.ndim, (True,), weight is not None, (1, 1), False)]
+
+    @register_sharding(torch.ops.fusionpass.rms_norm_backward.default)
+    def _(dy, dh, h, rstd, weight, weight_offset, weight_after_cast, need_dweight):
+        return [(o, i + flags) for o, i in
+                _row_shardings(dy.ndim, (True, dh is not None, True, True), weight is not None,
+                               (1, need_dweight), True)]
+
+
+_register_sharding()

@@ -226,10 +226,11 @@ def device_supported(node_of):
     return guard
 
 
-def tensor_subclass(nodes: Iterable[fx.Node]) -> str | None:
+def tensor_subclass(nodes: Iterable[fx.Node], dtensor_ok: bool = False) -> str | None:
     """Why a match over `nodes` (and their inputs) is left alone because a value is a tensor
     subclass, or None. Our ops take plain tensors: a DTensor (tensor or sequence parallelism)
-    would reach an op with no sharding rule, and other wrapper subclasses are not ours to unwrap."""
+    would reach an op with no sharding rule, unless `dtensor_ok` (the fusion's ops have them,
+    Fusion.dtensor), and other wrapper subclasses are not ours to unwrap."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     seen = set()
@@ -240,10 +241,13 @@ def tensor_subclass(nodes: Iterable[fx.Node]) -> str | None:
             seen.add(n)
             v = value(n)
             if isinstance(v, torch.Tensor) and is_traceable_wrapper_subclass(v):
+                if dtensor_ok and type(v).__name__ == "DTensor":
+                    continue
                 layout = getattr(v, "placements", None)
                 layout = f" {', '.join(map(str, layout))}" if layout is not None else ""
-                return (f"{where(n)} is a {type(v).__name__}{layout}: fusionpass's ops take plain "
-                        "tensors (no sharding rule); Inductor compiles it")
+                why = ("this fusion's ops have no sharding rule" if type(v).__name__ == "DTensor"
+                       else "fusionpass's ops take plain tensors")
+                return f"{where(n)} is a {type(v).__name__}{layout}: {why}; Inductor compiles it"
     return None
 
 

@@ -5,7 +5,8 @@ The match starts at the product h = act(g) * u (either operand order), where
 or  gu = F.linear(x, W, b);  g, u = gu.chunk(2, dim=-1)                     Phi-3 (`gate_up_proj`)
 and act is F.silu or F.gelu(approximate="tanh") (Gemma's `gelu_pytorch_tanh`), as Dynamo records
 them. h is replaced by fusionpass::swiglu(x, W_gate, b_gate, W_up, b_up, act)[0]; Phi-3's fused
-weight is passed as two row slices (views). The down projection stays a library GEMM reading h.
+weight is passed as two row slices (views). In inference the down projection stays a library GEMM
+reading h; in training it joins the op (below).
 
 Cost rule (ROWS; why: benchmarks/results/latest/swiglu_mlp.md): in inference, selected for
 decode-sized rows, at most the decode kernel's rows (kernels/swiglu.py, DECODE_MAX_M) known
@@ -40,7 +41,7 @@ _SILU = (F.silu,)
 _GELU = (F.gelu, torch._C._nn.gelu)
 SUPPORTED = ("silu", "gelu_tanh")
 
-# The cost rule (module docstring): decode-sized inference only, unless swiglu_mlp_kernel
+# The cost rules (module docstring): decode-sized inference, and training with the down projection
 ANY_SIZE = Switch("swiglu_mlp_kernel")
 # training with the down projection in the op (module docstring)
 RECOMPUTE = Switch("swiglu_mlp_recompute_product", "training matches, with the down projection")
@@ -311,7 +312,8 @@ VARIANTS = (
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """swiglu_mlp: by default only decode-sized inference goes to fusionpass::swiglu (ROWS)."""
+    """swiglu_mlp: by default decode-sized inference goes to fusionpass::swiglu (ROWS) and training
+    to fusionpass::swiglu_down (RECOMPUTE)."""
 
     kernel: bool = option(False, "route every match (prefill, training) to fusionpass::swiglu")
     recompute_product: bool = option(
@@ -328,7 +330,7 @@ SWIGLU_MLP = registry.register(
         matches=(
             "the gated MLP act(gate(x)) * up(x) (HF Llama/Mistral/Qwen2 SiLU, Gemma GELU-tanh, "
             "Phi-3's fused gate_up_proj + chunk), with or without biases; the down projection "
-            "stays a library GEMM"
+            "joins the op in training and stays a library GEMM in inference"
         ),
         selected_when=(
             "rows known statically, CUDA tensors, one float dtype for x, weights and biases, SiLU or "
