@@ -3,7 +3,8 @@ torch.compile, fusionpass and (when installed) Liger-Kernel, plus the largest se
 trains at batch 1.
 
     python benchmarks/training_memory.py [--rows NAME,...] [--versions plain,fusionpass,liger,...]
-                                         [--largest-s] [--out-dir benchmarks/results/memory]
+                                         [--largest-s VERSIONS [--points-from JSON]]
+                                         [--out-dir benchmarks/results/memory]
 
 A row is an HF Llama built from a config at one shape (ROWS), random weights, bf16, one training
 step = forward + loss + backward, no optimizer. Each measurement runs in a child process of its
@@ -16,10 +17,11 @@ under torch.compile).
 Peak: torch.cuda.max_memory_allocated during one step that starts without gradients, less what was
 allocated before it (the weights) and less the gradients it made (step_peak).
 
---largest-s: for each version, the largest S (a multiple of --s-step) at which the 8B-shaped
+--largest-s VERSIONS: for each of these versions, the largest S (a multiple of --s-step) at which the 8B-shaped
 4-layer model (LARGEST_S_ROW) trains at B1. The peak grows about linearly in S, so two measured
-peaks predict the limit; probes at the prediction and next to it then find the largest S that fits
-and the smallest that does not, both reported. `--smoke --device cpu` runs the code paths at tiny
+peaks (the rows' own where they ran that model at B1, else two more runs) predict the limit;
+one-step probes at the prediction and next to it then find the largest S that fits and the
+smallest that does not, both reported. `--smoke --device cpu` runs the code paths at tiny
 shapes (no peaks on the CPU), for tests/test_training_memory.py.
 """
 from __future__ import annotations
@@ -50,9 +52,11 @@ ROWS = {
 }
 LARGEST_S_ROW = LLAMA_8B_4L
 SMOKE_SHAPE = dict(layers=2, width=64, heads=4, kv_heads=2, intermediate=160, vocab=509)
-# versions and the child that runs each: plain and fusionpass side by side in one process
-VERSIONS = ("plain", "fusionpass", "liger", "liger+compile")
-SIDE_BY_SIDE = ("plain", "fusionpass")
+# versions and the child that runs each: plain and fusionpass side by side in one process.
+# fusionpass-loss-only compiles fusionpass.loss_only(model): the loss without the logits output, the
+# contract Liger's patched forward has in training (it returns no logits either).
+VERSIONS = ("plain", "fusionpass", "fusionpass-loss-only", "liger", "liger+compile")
+SIDE_BY_SIDE = ("plain", "fusionpass", "fusionpass-loss-only")
 
 
 @dataclasses.dataclass
@@ -67,6 +71,7 @@ class Probe:
     rounds: int = 3
     iters: int = 2
     timed: bool = True
+    once: bool = False  # one step only, its peak taken with the compile's (a fits-or-not probe)
 
 
 def liger_installed() -> bool:
@@ -100,19 +105,23 @@ def _compiled(model, version: str, device: str):
         return torch.compile(model)
     if version == "fusionpass":
         return torch.compile(model, backend=fusionpass.backend(cpu=device == "cpu"))
+    if version == "fusionpass-loss-only":
+        return torch.compile(fusionpass.loss_only(model), backend=fusionpass.backend(cpu=device == "cpu"))
     return model  # liger: eager, as its users run it
 
 
-def step_peak(step: Callable[[], object], params) -> int | None:
+def step_peak(step: Callable[[], object], params, once: bool = False) -> int | None:
     """Peak bytes of one step above weights and gradients (None off CUDA).
 
     The step starts without gradients (step() sets them to None), and their bytes are taken off
     the peak afterwards. Starting with allocated gradients instead would count a second copy of
-    each: the compiled backward returns every new gradient at once, before they are added in."""
+    each: the compiled backward returns every new gradient at once, before they are added in.
+    `once`: the compiling step is the measured one (no lower than a later step's peak)."""
     if not torch.cuda.is_available() or not params or params[0].device.type != "cuda":
         step()
         return None
-    step()  # the compile
+    if not once:
+        step()  # the compile
     torch.cuda.synchronize()
     for t in params:
         t.grad = None
@@ -150,7 +159,7 @@ def run_probe(probe: Probe) -> dict:
                 compiled(input_ids=ids, labels=ids).loss.backward()
 
             try:
-                peak = step_peak(step, params)
+                peak = step_peak(step, params, probe.once)
             except torch.OutOfMemoryError as e:
                 out[version] = {"error": f"out of memory: {str(e).splitlines()[0]}"}
                 model.zero_grad(set_to_none=True)
@@ -158,7 +167,7 @@ def run_probe(probe: Probe) -> dict:
                 continue
             out[version] = {"peak_gib": None if peak is None else round(peak / GIB, 2),
                             "weights_and_grads_gib": round(2 * weight_bytes / GIB, 2),
-                            "matches": dict(sorted(fusionpass.stats().items())) if version == "fusionpass" else {}}
+                            "matches": dict(sorted(fusionpass.stats().items())) if version.startswith("fusionpass") else {}}
             steps[version] = step
             model.zero_grad(set_to_none=True)
         if probe.timed and steps:
@@ -224,18 +233,20 @@ def largest_fitting(fits: Callable[[int], bool], guess: int, step: int, max_prob
 
 
 def largest_s(version: str, shape: dict, device: str, step: int, fit_points=(16384, 32768),
-              timeout_s: float | None = None) -> dict:
-    """Measure two peaks, predict the limit from the GPU's total memory less weights and grads
-    (what run_probe does not count), then probe around it."""
+              timeout_s: float | None = None, known: dict | None = None) -> dict:
+    """Two peaks (`known` {S: result} where the rows measured them at this shape and B1, else
+    measured at `fit_points`), the limit they predict from the GPU's total memory less weights
+    and grads (what run_probe does not count), then one-step probes around it."""
     def probe(s: int) -> dict:
-        return in_child(Probe((version,), shape, 1, s, device, timed=False), timeout_s)[version]
+        return in_child(Probe((version,), shape, 1, s, device, timed=False, once=True), timeout_s)[version]
 
-    runs = {s: probe(s) for s in fit_points}
+    known = {s: r for s, r in (known or {}).items() if "error" not in r}
+    runs = known if len(known) >= 2 else {s: probe(s) for s in fit_points}
     if any("error" in r for r in runs.values()):
         return {"error": f"a fitting point did not run: {runs}"}
-    points = [(s, r["peak_gib"]) for s, r in runs.items()]
+    points = sorted((s, r["peak_gib"]) for s, r in runs.items())
     total = torch.cuda.get_device_properties(0).total_memory / GIB
-    weights_and_grads = runs[fit_points[0]]["weights_and_grads_gib"]
+    weights_and_grads = next(iter(runs.values()))["weights_and_grads_gib"]
     guess = predict_limit(points, total - weights_and_grads, step)
     found = largest_fitting(lambda s: "error" not in probe(s), guess, step)
     return {"points_gib": dict(points), "predicted": guess, **found}
@@ -274,10 +285,13 @@ def report(env: dict, rows: dict, limits: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)} ('' for none)")
     p.add_argument("--versions", default=None, help=f"comma-separated, of {', '.join(VERSIONS)} "
                    "(default: plain, fusionpass, and Liger's when it is installed)")
-    p.add_argument("--largest-s", action="store_true")
+    p.add_argument("--largest-s", default="", metavar="VERSIONS",
+                   help="comma-separated versions to find the largest trainable S for")
+    p.add_argument("--points-from", type=pathlib.Path, default=None,
+                   help="an earlier training_memory.json whose 8B-shaped B1 rows give the fitting points")
     p.add_argument("--s-step", type=int, default=4096)
     p.add_argument("--timeout-s", type=float, default=None, help="per child process")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -299,8 +313,23 @@ def main(argv=None) -> int:
     unknown = set(versions) - set(VERSIONS)
     if unknown:
         p.error(f"unknown versions {sorted(unknown)}")
-    rows = {}
-    for name in args.rows.split(","):
+    env = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "CPU (no peaks)",
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "liger": _liger_version(), "command": " ".join(["python benchmarks/training_memory.py", *(argv or sys.argv[1:])]),
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    rows, limits = {}, {}
+
+    def write() -> str:  # after every row and limit, so a run cut short keeps what it measured
+        md = report(env, rows, limits)
+        (args.out_dir / "training_memory.md").write_text(md)
+        (args.out_dir / "training_memory.json").write_text(
+            json.dumps({"environment": env, "rows": rows, "largest_s": limits}, indent=1) + "\n")
+        return md
+
+    for name in args.rows.split(",") if args.rows else []:
         shape, batch, seq = ROWS[name]
         if args.smoke:
             shape, batch, seq = SMOKE_SHAPE, 2, 33
@@ -311,26 +340,21 @@ def main(argv=None) -> int:
                           **(dict(rounds=1, iters=1) if args.smoke else {}))
             results.update(in_child(probe, args.timeout_s))
         rows[name] = results
-    limits = {}
+        write()
     if args.largest_s:
         if args.device != "cuda":
             p.error("--largest-s needs a GPU")
-        for version in versions:
+        # the fitting points: this run's rows at the search's shape and B1, else those of --points-from
+        earlier = json.loads(args.points_from.read_text())["rows"] if args.points_from else {}
+        measured = {**earlier, **rows}
+        for version in args.largest_s.split(","):
             print(f"largest S: {version}", file=sys.stderr, flush=True)
+            known = {ROWS[name][2]: r[version] for name, r in measured.items()
+                     if name in ROWS and ROWS[name][0] is LARGEST_S_ROW and ROWS[name][1] == 1 and version in r}
             limits[version] = largest_s(version, LARGEST_S_ROW, args.device, args.s_step,
-                                        timeout_s=args.timeout_s)
-    env = {
-        "date": datetime.date.today().isoformat(),
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "CPU (no peaks)",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "liger": _liger_version(), "command": " ".join(["python benchmarks/training_memory.py", *(argv or sys.argv[1:])]),
-    }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    md = report(env, rows, limits)
-    (args.out_dir / "training_memory.md").write_text(md)
-    (args.out_dir / "training_memory.json").write_text(
-        json.dumps({"environment": env, "rows": rows, "largest_s": limits}, indent=1) + "\n")
-    print(md)
+                                        timeout_s=args.timeout_s, known=known)
+            write()
+    print(write())
     return 0
 
 

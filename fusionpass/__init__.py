@@ -7,15 +7,17 @@ models, installed into torch.compile's Inductor as graph rewrites.
         model = torch.compile(model, mode="max-autotune")
     fusionpass.install()        # every Inductor compile in the process, until fusionpass.uninstall()
     print(fusionpass.explain(model, input_ids))
+    step = torch.compile(fusionpass.loss_only(hf_model), backend="fusionpass")  # loss, no logits
 """
 from fusionpass import ops as _ops  # noqa: F401  (registers the custom ops)
 from fusionpass.backend import backend, enabled, install, register as _register_backend, uninstall
+from fusionpass.causal_lm import loss_only
 from fusionpass.config import Config
 from fusionpass.explain import Report, explain
 from fusionpass.passes import STATISTICS as _STATISTICS
 
 __version__ = "0.1.0"
-__all__ = ["backend", "enabled", "install", "uninstall", "explain", "stats", "reset_stats", "Report", "Config", "FUSION_NAMES"]
+__all__ = ["backend", "enabled", "install", "uninstall", "explain", "stats", "reset_stats", "Report", "Config", "FUSION_NAMES", "loss_only"]
 
 _register_backend()
 

@@ -1,5 +1,6 @@
 """benchmarks/training_memory.py: the largest-S search on made-up peaks, and a CPU smoke run of one
-row (plain compile and fusionpass in one child process, the table and JSON written)."""
+row (plain compile, fusionpass and fusionpass on the loss-only wrapper in one child process, the
+table and JSON written)."""
 import json
 import pathlib
 import subprocess
@@ -33,17 +34,18 @@ def test_largest_fitting_reports_what_it_could_not_find():
 
 
 def test_children_keep_plain_and_fusionpass_together():
-    assert tool.children(["plain", "fusionpass", "liger", "liger+compile"]) == [
-        ("plain", "fusionpass"), ("liger",), ("liger+compile",)]
+    assert tool.children(["plain", "fusionpass", "fusionpass-loss-only", "liger", "liger+compile"]) == [
+        ("plain", "fusionpass", "fusionpass-loss-only"), ("liger",), ("liger+compile",)]
 
 
 def test_smoke_row(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "training_memory.py"), "--smoke", "--device", "cpu",
-           "--rows", "llama8l-b4-s2048", "--versions", "plain,fusionpass", "--out-dir", str(tmp_path)]
+           "--rows", "llama8l-b4-s2048", "--versions", "plain,fusionpass,fusionpass-loss-only", "--out-dir", str(tmp_path)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)
     data = json.loads((tmp_path / "training_memory.json").read_text())
     row = data["rows"]["llama8l-b4-s2048"]
-    assert set(row) == {"plain", "fusionpass"}
+    assert set(row) == {"plain", "fusionpass", "fusionpass-loss-only"}
     assert all(r["ms"] > 0 and r["peak_gib"] is None for r in row.values()), row
     assert row["fusionpass"]["matches"].get("swiglu_mlp"), row  # the training default matched
+    assert row["fusionpass-loss-only"]["matches"] == row["fusionpass"]["matches"], row
     assert "| llama8l-b4-s2048 | fusionpass |" in (tmp_path / "training_memory.md").read_text()

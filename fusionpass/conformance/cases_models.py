@@ -27,7 +27,20 @@ class _LM(nn.Module):
         return out.loss, out.logits
 
 
-def _make(config_name, model_class, attn, batch, seq, vocab, masked_lm, config):
+class _LossOnlyLM(nn.Module):
+    """fusionpass.loss_only(model)(input_ids, labels) -> (loss,): the graph has no logits output."""
+
+    def __init__(self, model):
+        super().__init__()
+        import fusionpass
+
+        self.model = fusionpass.loss_only(model)
+
+    def forward(self, input_ids, labels):
+        return (self.model(input_ids=input_ids, labels=labels).loss,)
+
+
+def _make(config_name, model_class, attn, batch, seq, vocab, masked_lm, config, wrap=_LM):
     def make(dtype, device):
         import transformers
 
@@ -38,7 +51,7 @@ def _make(config_name, model_class, attn, batch, seq, vocab, masked_lm, config):
         labels = ids.clone()
         if masked_lm:  # score about 15% of the positions, as an MLM collator does
             labels[torch.rand(ids.shape, device=device) > 0.15] = -100
-        return _LM(model), (ids, labels)
+        return wrap(model), (ids, labels)
 
     return make
 
@@ -140,3 +153,14 @@ for _name, (_cfg, _cls, _attn, _b, _s, _v, _mlm, _config) in MODELS.items():
             make=_make(_cfg, _cls, _attn, _b, _s, _v, _mlm, _config),
             dtype=torch.bfloat16, train=_train, expect=_expect, eager_baseline=True,
         ))
+
+# A training loop's loss through fusionpass.loss_only: linear_cross_entropy writes no logits
+# (the vocabulary bound opened so that this vocabulary fuses; llama's own counts otherwise).
+for _name in ("llama", "qwen2"):
+    _cfg, _cls, _attn, _b, _s, _v, _mlm, _config = MODELS[_name]
+    CASES.append(Case(
+        name=f"model/{_name}-loss-only/train/bf16/B{_b}xS{_s}", fusion="model", variant=f"{_name}-loss-only",
+        make=_make(_cfg, _cls, _attn, _b, _s, _v, _mlm, _config, wrap=_LossOnlyLM),
+        dtype=torch.bfloat16, train=True, expect={**EXPECT[(_name, True)], "linear_cross_entropy": 1},
+        config={"linear_cross_entropy_min_vocab": 5000}, eager_baseline=True,
+    ))

@@ -15,8 +15,10 @@ pytest.importorskip("transformers")
 
 from helpers import (
     assert_outcomes_close,
+    assert_tensors_close,
     compile_and_count,
     compiling,
+    fused_graph,
     near_misses,
     run,
 )
@@ -93,3 +95,42 @@ def test_gpt2_loss_in_another_graph():
     report = fusionpass.explain(model, ids, labels=ids, fusions=[FUSION], use_cache=False)
     assert report.variants == {(FUSION, "float_logits"): 1}
     assert report.near_misses == [] and report.graph_breaks == 0
+
+
+# --- fusionpass.loss_only: the same loss, no logits output --------------------------------------
+# families whose forward is transformers' standard causal-LM forward, on every release tested
+STANDARD_FORWARD = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma"]
+
+
+@pytest.mark.parametrize("name", STANDARD_FORWARD)
+def test_loss_only_gives_the_models_loss(name):
+    model = tiny(name, 160).train()
+    ids, kwargs = batch(160, num_items=name == "qwen2")
+    expected = model(ids, **kwargs).loss
+    got = fusionpass.loss_only(model)(ids, **kwargs)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, expected, rtol=0, atol=0)
+
+
+def test_loss_only_refuses_a_forward_that_changes_the_logits():
+    model = tiny("gemma2", 257)  # soft-caps the logits between lm_head and the loss
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM.forward is not the standard causal-LM forward"):
+        fusionpass.loss_only(model)
+
+
+def test_loss_only_compiles_to_a_loss_without_logits():
+    model = tiny("qwen2", 300).train()
+    ids, kwargs = batch(300, num_items=True)
+    wrapped = fusionpass.loss_only(model)
+    got, stats = compile_and_count(wrapped, ids, train=True, kwargs=kwargs, fusions=[FUSION])
+    assert stats == {(FUSION, "float_logits"): 1}
+    assert len(got.outputs) == 1  # the loss, and nothing of [tokens, vocabulary]
+    gm, _, _ = fused_graph(wrapped, ids, kwargs["labels"], fusions=[FUSION])
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.fusionpass.linear_cross_entropy.default]
+    assert op.args[10] is False  # return_logits
+    with compiling():
+        expected = run(torch.compile(model, backend="inductor", fullgraph=True), model, (ids,), True, kwargs=kwargs)
+    # the loss and every gradient as plain compile of the unwrapped model gives them
+    assert_tensors_close(got.outputs[0], expected.outputs[0], RTOL_FP32, "loss")
+    for key, grad in expected.grads.items():
+        assert_tensors_close(got.grads["model." + key], grad, RTOL_FP32, key)
