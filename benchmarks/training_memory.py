@@ -248,8 +248,16 @@ def largest_s(version: str, shape: dict, device: str, step: int, fit_points=(163
     total = torch.cuda.get_device_properties(0).total_memory / GIB
     weights_and_grads = next(iter(runs.values()))["weights_and_grads_gib"]
     guess = predict_limit(points, total - weights_and_grads, step)
-    found = largest_fitting(lambda s: "error" not in probe(s), guess, step)
-    return {"points_gib": dict(points), "predicted": guess, **found}
+    errors: dict[int, str] = {}
+
+    def fits(s: int) -> bool:
+        result = probe(s)
+        if "error" in result:
+            errors[s] = result["error"]
+        return "error" not in result
+
+    found = largest_fitting(fits, guess, step)
+    return {"points_gib": dict(points), "predicted": guess, **found, "errors": errors}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +285,8 @@ def report(env: dict, rows: dict, limits: dict) -> str:
             if "error" in r:
                 out.append(f"| {version} | {r['error']} | | | |")
                 continue
-            probes = ", ".join(f"{s}: {'fits' if ok else 'OOM'}" for s, ok in r["probed"].items())
+            probes = ", ".join(f"{s}: {'fits' if ok else r.get('errors', {}).get(s, 'fails')[:80]}"
+                               for s, ok in r["probed"].items())
             out.append(f"| {version} | {r['largest_fits']} | {r['smallest_fails']} | {r['predicted']} | {probes} |")
     return "\n".join(out) + "\n"
 

@@ -237,6 +237,21 @@ def shapes_supported(m: Match, cfg) -> str | None:
     return None
 
 
+# torch 2.11's Inductor fails to compile a user-defined Triton kernel given a static integer of
+# 2^31 or more (signature_of -> has_hint on a plain int: AttributeError 'xreplace'); the element-wise
+# act·mul kernels take the element count, so a product that large stays with Inductor's MLP.
+# Seen at 8B widths from S=180224 (benchmarks/results/memory/training.md).
+MAX_ELEMENTS = 2**31 - 1
+
+
+def elements_fit_int32(m: Match, cfg) -> str | None:
+    numel = g.static_int(g.tensor(m.bindings["h"]).numel())
+    if numel is not None and numel > MAX_ELEMENTS:
+        return (f"the product has {numel} elements, more than 2^31 - 1: Inductor (torch 2.11) cannot "
+                "pass a count that large to a Triton kernel")
+    return None
+
+
 def intermediates_private(m: Match, cfg) -> str | None:
     leaked = g.escaping(m.nodes, keep=[m.bindings["h"]])
     if leaked:
@@ -344,6 +359,7 @@ SWIGLU_MLP = registry.register(
             Guard("activation", activation_supported),
             Guard("dtype", dtypes_agree),
             Guard("shape", shapes_supported),
+            Guard("size", elements_fit_int32),
             Guard("intermediates", intermediates_private),
             Guard("down_projection", feeds_down_projection),
         ),

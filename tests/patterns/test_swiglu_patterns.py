@@ -261,3 +261,19 @@ def test_recompute_product_not_in_inference(monkeypatch):
     _, stats = compile_and_count(mlp, x, fusions=[FUSION], train=False)
     assert stats == {}
     assert [m[2].split(";")[0] for m in near_misses()] == ["cost: rows 87 > 64 in inference"]
+
+
+def test_a_product_of_2_31_elements_stays_with_inductor():
+    # torch 2.11's Inductor cannot compile a Triton launch given a static count >= 2^31 (seen at
+    # 8B widths from S=180224); the guard reads the product's static element count
+    from types import SimpleNamespace
+
+    from fusionpass.patterns import swiglu
+
+    graph = torch.fx.Graph()
+    h = graph.placeholder("h")
+    for rows, fits in ((149796, True), (180224, False)):
+        h.meta["val"] = torch.empty((rows, 14336), device="meta", dtype=torch.bfloat16)
+        why = swiglu.elements_fit_int32(SimpleNamespace(bindings={"h": h}), None)
+        assert (why is None) == fits, why
+    assert "more than 2^31 - 1" in why
