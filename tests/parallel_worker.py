@@ -17,6 +17,9 @@ Parallelisms, as their frameworks apply them:
 - "tp_sp": torchtitan's plan: the norms sequence-parallel (`SequenceParallel`, so they see
   Shard(1) DTensors), the embedding rowwise, the output colwise to vocab-sharded logits and the loss
   under `loss_parallel()`.
+- "tp_sp_loss": the same plan with the loss compiled in the model's graph, inside `loss_parallel()`
+  (the region `linear_cross_entropy` would fuse: output projection to vocab-sharded logits, then
+  the loss).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ DATA_PARALLEL = ("ddp", "ddp_python_reducer", "fsdp")
 @dataclasses.dataclass(frozen=True)
 class Case:
     model: str  # "llama" (tests/torchtitan_model.py) or "gpt2" (transformers' GPT-2)
-    parallelism: str  # "ddp", "fsdp", "tp", "tp_sp"
+    parallelism: str  # "ddp", "ddp_python_reducer", "fsdp", "tp", "tp_sp", "tp_sp_loss"
 
 
 # the tiny models' shapes are below the GPU cost rules: open those the blocks can meet
@@ -150,12 +153,12 @@ def parallelize(net, loss_fn, parallelism: str, mesh, backend):
         for block in blocks(net):
             block.compile(backend=backend)
         return _step(lambda ids, labels: loss_fn(net(ids), labels))
-    if parallelism in ("tp", "tp_sp"):
+    if parallelism in ("tp", "tp_sp", "tp_sp_loss"):
         from torch.distributed.tensor.parallel import parallelize_module
 
         if not hasattr(net, "tok_embeddings"):
             raise ValueError("tensor parallelism: the Llama only (GPT-2's Conv1D has no TP style)")
-        sp = parallelism == "tp_sp"
+        sp = parallelism in ("tp_sp", "tp_sp_loss")
         for block in blocks(net):
             parallelize_module(block, mesh, tensor_parallel_plan(sp))
             block.attention.n_heads //= WORLD
@@ -172,6 +175,8 @@ def parallelize(net, loss_fn, parallelism: str, mesh, backend):
             "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
                                       use_local_output=False),
         })
+        if parallelism == "tp_sp_loss":
+            return _step(torch.compile(WithLoss(net, loss_fn), backend=backend), loss_parallel)
         compiled = torch.compile(net, backend=backend)
         return _step(lambda ids, labels: loss_fn(compiled(ids), labels), loss_parallel)
     raise ValueError(parallelism)
