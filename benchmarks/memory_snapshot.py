@@ -4,8 +4,9 @@ to the moment of the peak, with every live block named by the line that allocate
     python benchmarks/memory_snapshot.py --row llama8b-4l-b1-s16384 --version fusionpass [--seq S]
                                          [--out benchmarks/results/memory/snapshot_NAME.md]
 
-The model, step and shapes are training_memory.py's (one child there = one run here). The step
-starts without gradients, as step_peak's; the history records Python frames only. For a block
+The model, step and shapes are training_memory.py's (one child there = one run here), and the
+recorded step is step_peak's measured one; the history records Python frames only. The replayed
+peak counts from the step's start, so it includes the gradients the step makes. For a block
 allocated inside Inductor's generated code, the report prints that line of the generated file
 (`buf12 = empty_strided_cuda(...)`) and the nearest "Source Nodes" comment above it, which names
 the FX nodes the buffer belongs to.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import linecache
 import pathlib
@@ -93,25 +95,20 @@ def main(argv=None) -> int:
     ids = torch.randint(0, shape["vocab"], (batch, seq), generator=torch.Generator().manual_seed(0)).cuda()
     with fresh_compile_caches():
         fusionpass.reset_stats()
-        compiled = tm._compiled(model, args.version, "cuda")
+        step = tm.make_step(tm._compiled(model, args.version, "cuda"), params, ids)
+        recorded = {}
 
-        def step():
-            for t in params:
-                t.grad = None
-            compiled(input_ids=ids, labels=ids).loss.backward()
+        @contextlib.contextmanager
+        def record():
+            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python")
+            try:
+                yield
+            finally:
+                recorded["snapshot"] = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
 
-        step()  # the compile
-        torch.cuda.synchronize()
-        for t in params:
-            t.grad = None
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python")
-        step()
-        torch.cuda.synchronize()
-        snap = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        max_alloc = torch.cuda.max_memory_allocated() - base
+        above = tm.step_peak(step, params, around=record)
+        snap = recorded["snapshot"]
         matches = dict(sorted(fusionpass.stats().items()))
 
     trace = snap["device_traces"][torch.cuda.current_device()]
@@ -124,7 +121,7 @@ def main(argv=None) -> int:
            f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}",
            f"- command: `python benchmarks/memory_snapshot.py {' '.join(argv or sys.argv[1:])}`",
            f"- matches: {json.dumps(matches)}",
-           f"- max_memory_allocated above the weights (gradients included): {max_alloc / MIB:.0f} MiB; "
+           f"- the step's peak above weights and gradients (training_memory.step_peak): {above / MIB:.0f} MiB; "
            f"the replayed trace's peak above the step's start: {peak / MIB:.0f} MiB; "
            f"blocks alive then: {len(live)} ({sum(e['size'] for e in live.values()) / MIB:.0f} MiB)", "",
            "| MiB | blocks | sizes, MiB | allocated at | line |", "|---|---|---|---|---|"]

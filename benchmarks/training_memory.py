@@ -27,6 +27,7 @@ shapes (no peaks on the CPU), for tests/test_training_memory.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -110,13 +111,25 @@ def _compiled(model, version: str, device: str):
     return model  # liger: eager, as its users run it
 
 
-def step_peak(step: Callable[[], object], params, once: bool = False) -> int | None:
+def make_step(compiled, params, ids) -> Callable[[], None]:
+    """One training step: gradients assigned, not accumulated (as fusionpass.bench.training_step)."""
+    def step():
+        for t in params:
+            t.grad = None
+        compiled(input_ids=ids, labels=ids).loss.backward()
+
+    return step
+
+
+def step_peak(step: Callable[[], object], params, once: bool = False,
+              around=contextlib.nullcontext) -> int | None:
     """Peak bytes of one step above weights and gradients (None off CUDA).
 
     The step starts without gradients (step() sets them to None), and their bytes are taken off
     the peak afterwards. Starting with allocated gradients instead would count a second copy of
     each: the compiled backward returns every new gradient at once, before they are added in.
-    `once`: the compiling step is the measured one (no lower than a later step's peak)."""
+    `once`: the compiling step is the measured one (no lower than a later step's peak).
+    `around`: a context manager the measured step runs in (memory_snapshot.py records there)."""
     if not torch.cuda.is_available() or not params or params[0].device.type != "cuda":
         step()
         return None
@@ -127,8 +140,9 @@ def step_peak(step: Callable[[], object], params, once: bool = False) -> int | N
         t.grad = None
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
+    with around():
+        step()
+        torch.cuda.synchronize()
     grads = sum(t.grad.numel() * t.grad.element_size() for t in params if t.grad is not None)
     return torch.cuda.max_memory_allocated() - base - grads
 
@@ -151,12 +165,7 @@ def run_probe(probe: Probe) -> dict:
         for version in probe.versions:
             torch._dynamo.reset()
             fusionpass.reset_stats()
-            compiled = _compiled(model, version, probe.device)
-
-            def step(compiled=compiled):
-                for t in params:  # assigned, not accumulated (as fusionpass.bench.training_step)
-                    t.grad = None
-                compiled(input_ids=ids, labels=ids).loss.backward()
+            step = make_step(_compiled(model, version, probe.device), params, ids)
 
             try:
                 peak = step_peak(step, params, probe.once)
