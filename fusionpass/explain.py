@@ -28,6 +28,8 @@ class Report:
     # (fusion, where, note): calls already in the form a fusion would give them, so nothing to
     # rewrite (an SDPA call with is_causal=True and no mask); neither matches nor near misses
     already_fast: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    # what the user could change for more of a fusion's gain (not about the pass's own choices)
+    hints: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -44,6 +46,7 @@ class Report:
             "already_fast": [
                 {"fusion": f, "where": w, "note": n} for f, w, n in self.already_fast
             ],
+            "hints": list(self.hints),
         }
 
     def to_json(self) -> str:
@@ -78,6 +81,10 @@ class Report:
             lines.append("already fast (nothing to rewrite):")
             lines += [f"  {f}: {note} in {n} call(s)"
                       for (f, note), n in Counter((f, note) for f, _, note in self.already_fast).items()]
+        if self.hints:
+            lines.append("")
+            lines.append("hints:")
+            lines += [f"  {h}" for h in self.hints]
         if self.near_misses:
             lines.append("")
             lines.append("near misses (left to Inductor):")
@@ -132,7 +139,7 @@ def explain(model, *args, fusions=None, train: bool | None = None, **kwargs) -> 
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
     compiled = torch.compile(model, backend=FusionpassBackend(cfg))
     with fresh_compile_caches(), torch.set_grad_enabled(train):
-        compiled(*args, **kwargs)
+        out = compiled(*args, **kwargs)
     records = STATISTICS.records
     return Report(
         matches=STATISTICS.per_fusion(),
@@ -144,4 +151,19 @@ def explain(model, *args, fusions=None, train: bool | None = None, **kwargs) -> 
         enabled=tuple(n for n in config_mod.FUSION_NAMES if n in cfg.fusions),
         pass_seconds=dict(STATISTICS.seconds),
         already_fast=[note for r in records for note in r.already_fast],
+        hints=_hints(model, out, STATISTICS.per_fusion(), train),
     )
+
+
+def _hints(model, out, matches: dict[str, int], train: bool) -> list[str]:
+    """A fused loss whose model also returns the logits still writes all of them (they are an
+    output of the graph); a loop that reads only the loss can drop them (docs/training-memory.md)."""
+    from fusionpass.causal_lm import why_not_standard
+
+    logits = getattr(out, "logits", None)
+    if train and matches.get("linear_cross_entropy") and isinstance(logits, torch.Tensor) \
+            and hasattr(model, "get_output_embeddings") and why_not_standard(model) is None:
+        return [f"linear_cross_entropy writes the logits {tuple(logits.shape)} because the model returns "
+                "them; a training loop that reads only the loss can compile fusionpass.loss_only(model), "
+                "whose graph returns the loss alone (docs/training-memory.md)"]
+    return []

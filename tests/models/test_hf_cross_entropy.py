@@ -134,3 +134,15 @@ def test_loss_only_compiles_to_a_loss_without_logits():
     assert_tensors_close(got.outputs[0], expected.outputs[0], RTOL_FP32, "loss")
     for key, grad in expected.grads.items():
         assert_tensors_close(got.grads["model." + key], grad, RTOL_FP32, key)
+
+
+def test_explain_hints_at_loss_only_where_the_logits_are_returned():
+    model = tiny("llama", 160).train()
+    ids, kwargs = batch(160, num_items=False)
+    report = fusionpass.explain(model, ids, fusions=[FUSION], **kwargs)
+    assert report.matches == {FUSION: 1}
+    assert len(report.hints) == 1 and "fusionpass.loss_only(model)" in report.hints[0]
+    assert "(2, 8, 160)" in report.hints[0] and "hints:" in str(report)
+    wrapped = fusionpass.loss_only(model)
+    report = fusionpass.explain(wrapped, ids, fusions=[FUSION], **kwargs)
+    assert report.matches == {FUSION: 1} and report.hints == []
