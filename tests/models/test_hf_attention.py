@@ -330,3 +330,25 @@ def test_repeat_kv_copies_are_gone(family):
         assert n.args[1].meta["example_value"].shape[1] == 2
     assert not [n for n in gm.graph.nodes if n.target == "expand" and n.meta["example_value"].dim() == 5]
     torch.testing.assert_close(out.logits, model(*args, **kwargs).logits, rtol=RTOL_FP32, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# packed sequences (padding-free training): position_ids restart at each sequence, and
+# transformers builds a block-diagonal causal mask from them. It must never be proven causal.
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_a_packed_batch_is_not_proven_causal(train):
+    model = build("llama").train(train)
+    torch.manual_seed(1)
+    ids = torch.randint(1, VOCAB, (1, 2 * SEQ))
+    # two packed sequences, of lengths 5 and 11, in one row
+    position_ids = torch.cat([torch.arange(5), torch.arange(2 * SEQ - 5)])[None]
+    kwargs = {"use_cache": False, "position_ids": position_ids, **({"labels": ids} if train else {})}
+    got, stats = compile_and_count(model, ids, fusions=ATTENTION, train=train, kwargs=kwargs)
+    assert stats == {} and already_fast() == [], (stats, already_fast())
+    want = eager(model, ids, train=train, kwargs=kwargs)
+    # the reference sees the packing: a plain causal mask would give other outputs
+    causal = eager(model, ids, train=False, kwargs={"use_cache": False})
+    assert (causal.outputs[-1] - want.outputs[-1]).abs().max() > 1e-3
+    assert_outcomes_close(got, want, rtol=RTOL_FP32)
