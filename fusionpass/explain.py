@@ -141,8 +141,9 @@ def explain(model, *args, fusions=None, train: bool | None = None, **kwargs) -> 
     with fresh_compile_caches(), torch.set_grad_enabled(train):
         out = compiled(*args, **kwargs)
     records = STATISTICS.records
+    matches = STATISTICS.per_fusion()
     return Report(
-        matches=STATISTICS.per_fusion(),
+        matches=matches,
         variants=dict(STATISTICS.variants),
         near_misses=STATISTICS.near_misses,
         graphs=len(records),
@@ -151,7 +152,7 @@ def explain(model, *args, fusions=None, train: bool | None = None, **kwargs) -> 
         enabled=tuple(n for n in config_mod.FUSION_NAMES if n in cfg.fusions),
         pass_seconds=dict(STATISTICS.seconds),
         already_fast=[note for r in records for note in r.already_fast],
-        hints=_hints(model, out, STATISTICS.per_fusion(), train),
+        hints=_hints(model, out, matches, train),
     )
 
 
