@@ -134,9 +134,13 @@ def _decode_kernel(
 
 
 @triton.jit
-def _act_mul_fwd_kernel(G, U, H, numel, ACT: tl.constexpr, ROUND_BITS: tl.constexpr,
+def _act_mul_fwd_kernel(G, U, H, rows, cols, ACT: tl.constexpr, ROUND_BITS: tl.constexpr,
                         BLOCK: tl.constexpr):
     DT: tl.constexpr = H.dtype.element_ty
+    # the element count as rows x cols, multiplied here in int64: torch 2.11's Inductor cannot
+    # pass a static integer of 2^31 or more to a user-defined kernel (patterns/swiglu.py). tl.cast,
+    # not .to: Triton specializes an argument equal to 1 into a plain int.
+    numel = tl.cast(rows, tl.int64) * cols
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
@@ -145,9 +149,10 @@ def _act_mul_fwd_kernel(G, U, H, numel, ACT: tl.constexpr, ROUND_BITS: tl.conste
 
 
 @triton.jit
-def _act_mul_bwd_kernel(DH, G, U, DG, DU, numel, ACT: tl.constexpr, ROUND_BITS: tl.constexpr,
+def _act_mul_bwd_kernel(DH, G, U, DG, DU, rows, cols, ACT: tl.constexpr, ROUND_BITS: tl.constexpr,
                         BLOCK: tl.constexpr):
     DT: tl.constexpr = DG.dtype.element_ty
+    numel = tl.cast(rows, tl.int64) * cols  # as in the forward
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
@@ -227,11 +232,13 @@ def swiglu_decode_fwd(
     return h, g, u
 
 
-def _elementwise_launch(kernel, tensors, numel, act, device, block, num_warps):
+def _elementwise_launch(kernel, tensors, act, device, block, num_warps):
     block = block or DEFAULTS["elementwise_block"]
+    cols = tensors[0].shape[-1] if tensors[0].dim() else 1
+    rows = tensors[0].numel() // cols
     with _device_guard(device):
-        launcher(kernel, tensors[0])[(triton.cdiv(numel, block),)](
-            *tensors, numel, ACT=act, ROUND_BITS=device.type != "cuda", BLOCK=block,
+        launcher(kernel, tensors[0])[(triton.cdiv(rows * cols, block),)](
+            *tensors, rows, cols, ACT=act, ROUND_BITS=device.type != "cuda", BLOCK=block,
             num_warps=num_warps or DEFAULTS["elementwise_num_warps"],
         )
 
@@ -249,7 +256,7 @@ def act_mul_fwd(g: torch.Tensor, u: torch.Tensor, activation: str, *, block: int
     g, u = g.contiguous(), u.contiguous()
     h = torch.empty_like(g)
     if g.numel():
-        _elementwise_launch(_act_mul_fwd_kernel, (g, u, h), g.numel(), act, g.device, block, num_warps)
+        _elementwise_launch(_act_mul_fwd_kernel, (g, u, h), act, g.device, block, num_warps)
     return h
 
 
@@ -262,6 +269,6 @@ def act_mul_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, activation: 
     dg = torch.empty_like(g)
     du = torch.empty_like(u)
     if g.numel():
-        _elementwise_launch(_act_mul_bwd_kernel, (dh, g, u, dg, du), g.numel(), act, g.device,
-                            block, num_warps)
+        _elementwise_launch(_act_mul_bwd_kernel, (dh, g, u, dg, du), act, g.device, block,
+                            num_warps)
     return dg, du

@@ -238,17 +238,22 @@ def shapes_supported(m: Match, cfg) -> str | None:
 
 
 # torch 2.11's Inductor fails to compile a user-defined Triton kernel given a static integer of
-# 2^31 or more (signature_of -> has_hint on a plain int: AttributeError 'xreplace'); the element-wise
-# act·mul kernels take the element count, so a product that large stays with Inductor's MLP.
-# Seen at 8B widths from S=180224 (benchmarks/results/memory/training.md).
-MAX_ELEMENTS = 2**31 - 1
+# 2^31 or more (signature_of -> has_hint on a plain int: AttributeError 'xreplace'). The act·mul
+# kernels take the product's rows and width, not its element count (seen failing at 8B widths when
+# they took the count: benchmarks/results/memory/training.md), so only a factor that large stays
+# with Inductor's MLP.
+MAX_FACTOR = 2**31 - 1
 
 
-def elements_fit_int32(m: Match, cfg) -> str | None:
+def factors_fit_int32(m: Match, cfg) -> str | None:
+    shape = g.tensor(m.bindings["h"]).shape
+    width = g.static_int(shape[-1]) if len(shape) else 1
     numel = g.static_int(g.tensor(m.bindings["h"]).numel())
-    if numel is not None and numel > MAX_ELEMENTS:
-        return (f"the product has {numel} elements, more than 2^31 - 1: Inductor (torch 2.11) cannot "
-                "pass a count that large to a Triton kernel")
+    rows = numel // width if numel is not None and width else None
+    big = [f"{what} {n}" for what, n in (("rows", rows), ("width", width)) if n is not None and n > MAX_FACTOR]
+    if big:
+        return (f"the product's {' and '.join(big)} over 2^31 - 1: Inductor (torch 2.11) cannot pass "
+                "an integer that large to a Triton kernel")
     return None
 
 
@@ -359,7 +364,7 @@ SWIGLU_MLP = registry.register(
             Guard("activation", activation_supported),
             Guard("dtype", dtypes_agree),
             Guard("shape", shapes_supported),
-            Guard("size", elements_fit_int32),
+            Guard("size", factors_fit_int32),
             Guard("intermediates", intermediates_private),
             Guard("down_projection", feeds_down_projection),
         ),
