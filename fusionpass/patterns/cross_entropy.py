@@ -462,6 +462,21 @@ def logits_private(m: Match, cfg) -> str | None:
 # replacement
 
 
+UNMATCHED = ("cross_entropy found, but its input is not a vocabulary projection's logits through "
+             "known ops (soft-cap, [..., :-1, :], .float(), view/reshape)")
+
+
+def unmatched(ce: fx.Node) -> str:
+    """The near miss of a loss no variant matched. Logits that are a DTensor (loss_parallel's
+    vocab-sharded Shard(-1)) reach the loss through DTensor's own ops, so no chain gets as far as
+    the tensor-subclass rule; name the sharding here (docs/parallelism.md)."""
+    subclass = g.tensor_subclass([ce])
+    if subclass is not None:
+        return (f"tensor subclass: {subclass}; a vocab-sharded loss (loss_parallel) needs the "
+                "log-sum-exp across ranks, which linear_cross_entropy does not compute")
+    return UNMATCHED
+
+
 def replace(graph: fx.Graph, m: Match, cfg) -> None:
     b = m.bindings
     chain, args = b["chain"], b["ce_args"]
@@ -535,9 +550,6 @@ LINEAR_CROSS_ENTROPY = registry.register(
             Guard("logits_use", logits_private),
         ),
         replace=replace,
-        unmatched=(
-            "cross_entropy found, but its input is not a vocabulary projection's logits through "
-            "known ops (soft-cap, [..., :-1, :], .float(), view/reshape)"
-        ),
+        unmatched=unmatched,
     )
 )
