@@ -123,6 +123,40 @@ class Excluded:
         return f"{self.what} not {lo}..{hi}{_names((self.lo, self.hi))} in {' or '.join(self.modes)} ({self.why})"
 
 
+def autotuning() -> bool:
+    """Whether Inductor autotunes this compile: torch.compile's modes "max-autotune" and
+    "max-autotune-no-cudagraphs" set its max_autotune (in force while the pass runs); a user may set
+    max_autotune_gemm alone."""
+    from torch._inductor import config
+
+    return bool(config.max_autotune or config.max_autotune_gemm)
+
+
+@dataclasses.dataclass(frozen=True)
+class NotAutotuned:
+    """Not selected in `modes` while Inductor autotunes (`autotuning`), for the reason `why`. The
+    registry checks it for every match, the mode being training where a tensor of the match
+    requires grad."""
+
+    why: str
+    modes: tuple[str, ...] = ("training",)
+
+    def check(self, mode: str, cfg=None) -> str | None:
+        if mode in self.modes and autotuning():
+            return f"Inductor autotunes (max-autotune) in {mode} ({self.why})"
+        return None
+
+    def describe(self, cfg=None) -> str:
+        return f"not while Inductor autotunes (max-autotune) in {' or '.join(self.modes)} ({self.why})"
+
+
+# Training under max-autotune measured slower with the norm, RoPE, mask and MLP fusions than
+# without them, as a set; no ablation says which (an autotuning compile per fusion): so none of
+# them is selected there until one does.
+NOT_AUTOTUNED_TRAINING = NotAutotuned(
+    "training measured slower with them than without, benchmarks/results/bench/modes.md")
+
+
 @dataclasses.dataclass(frozen=True)
 class Switch:
     """A boolean setting that, when on, selects every match whatever the other rules say."""

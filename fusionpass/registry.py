@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
-from fusionpass.patterns.graph import tensor_subclass, where
+from fusionpass.patterns.graph import tensor, tensor_subclass, where
 
 if TYPE_CHECKING:
     from fusionpass.config import Config
@@ -95,7 +95,8 @@ class Fusion:
     options: type | None = None
     settings_prefix: str | None = None
     # Its cost rules (`fusionpass.cost.Range`, `Excluded`, `Switch`): bounds per mode, read from
-    # the config where a bound names a setting; its guards call their `check`.
+    # the config where a bound names a setting; its guards call their `check`. `NotAutotuned`
+    # rules are checked by `apply` for every match.
     cost: tuple = ()
     # One line for the README's table (`fusionpass list --markdown`): what it matches
     summary: str = ""
@@ -257,6 +258,19 @@ def _is_erased(node: fx.Node) -> bool:
     return getattr(node, "_erased", False)
 
 
+def _not_autotuned(fusion: Fusion, match: Match, config: Config) -> str | None:
+    """The reason of a `NotAutotuned` cost rule of the fusion (read for every match here, not by
+    each fusion's guards: it depends on the compile, not on the match's shapes)."""
+    from fusionpass.cost import NotAutotuned, mode
+
+    rules = [r for r in fusion.cost if isinstance(r, NotAutotuned)]
+    if not rules:
+        return None
+    training = mode(any(getattr(tensor(n), "requires_grad", False) for n in (match.anchor, *match.nodes)))
+    why = next((w for r in rules if (w := r.check(training, config)) is not None), None)
+    return None if why is None else f"cost: {why}"
+
+
 def apply(fusion: Fusion, graph: fx.Graph, config: Config, record: Record) -> int:
     """Find every anchor of `fusion` in `graph`, match, guard, replace. Returns the match count."""
     count = 0
@@ -285,7 +299,8 @@ def apply(fusion: Fusion, graph: fx.Graph, config: Config, record: Record) -> in
                 record.missed(fusion.name, node, why)
             continue
         reason = tensor_subclass([match.anchor, *match.nodes], dtensor_ok=fusion.dtensor)
-        reason = f"tensor subclass: {reason}" if reason is not None else next(
+        reason = f"tensor subclass: {reason}" if reason is not None else _not_autotuned(fusion, match, config)
+        reason = reason if reason is not None else next(
             (
                 f"{guard.name}: {why}"
                 for guard in fusion.guards

@@ -210,7 +210,12 @@ def test_enabled_compiled_in_block_fuses_after_it(model, x, how):
         assert torch.compile is original_compile
         assert inductor_config.pre_grad_custom_pass is previous_hook
         got = run(compiled, model, (x,), train=True)  # first call (and compile) after the block
-        assert fusionpass.stats(variants=True) == BLOCK_COUNTS
+        if "mode" in how:
+            # the mode reaches the pass: training under max-autotune is not selected (fusionpass.cost)
+            assert fusionpass.stats(variants=True) == {}
+            assert near_misses() and all("Inductor autotunes" in why for _, _, why in near_misses())
+        else:
+            assert fusionpass.stats(variants=True) == BLOCK_COUNTS
     assert_outcomes_close(got, eager(model, x, train=True))
 
 

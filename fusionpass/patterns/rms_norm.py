@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from fusionpass import registry
-from fusionpass.cost import Excluded, Range, mode
+from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Excluded, Range, mode
 from fusionpass.kernels.common import TWO_PASS_FWD
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
@@ -432,7 +432,7 @@ RMS_NORM_RESIDUAL = registry.register(
         summary="RMSNorm (Llama/Mistral/Qwen/Phi-3, Gemma's `1 + w`, T5, `nn.RMSNorm`) with the residual add before it",
         options=Options,
         settings_prefix="rms_norm",
-        cost=(WIDTH, PARTIAL_CHUNK),
+        cost=(WIDTH, PARTIAL_CHUNK, NOT_AUTOTUNED_TRAINING),
         matches=(
             "RMSNorm (HF Llama/Mistral/Qwen2/Qwen3/Phi-3 `w * n.to(dtype)`, Gemma `1 + w` in fp32, "
             "T5, plain fp32; torch_rms_norm: `nn.RMSNorm` / `F.rms_norm`, torchtitan's), with the "

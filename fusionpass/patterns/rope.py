@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from fusionpass import registry
-from fusionpass.cost import Range, Switch
+from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Range, Switch
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, Variant, option
 
@@ -516,7 +516,7 @@ ROPE = registry.register(
         name="rope",
         summary='rotary embedding of q and k in one launch (HF `rotate_half`, GPT-J interleaved, partial rotary)',
         options=Options,
-        cost=(ANY_SIZE, POSITIONS, SIZE, INTERLEAVED_SIZE),
+        cost=(ANY_SIZE, POSITIONS, SIZE, INTERLEAVED_SIZE, NOT_AUTOTUNED_TRAINING),
         matches=(
             "rotary embedding x * cos + rot(x) * sin with HF rotate_half (Llama, GPT-NeoX, Phi-3) or "
             "GPT-J's interleaved rotate_every_two, partial rotary (slice + cat) included; q and k "

@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusionpass import registry
+from fusionpass.cost import NOT_AUTOTUNED_TRAINING
 from fusionpass.patterns import eager_attention as eager
 from fusionpass.patterns import graph as g
 from fusionpass.patterns import masks
@@ -114,7 +115,7 @@ SDPA_MASK = registry.register(
             "(transformers' sdpa_mask): proven causal -> is_causal=True, proven all-true -> no mask; "
             "the call then reads grouped K/V (enable_gqa=True) instead of repeat_kv copies"
         ),
-        selected_when="always where the mask is proven (dropping a mask never slows SDPA down)",
+        selected_when="where the mask is proven",
         anchor=sdpa.has_mask_node,
         variants=(
             Variant("causal_mask", _search("causal")),
@@ -124,6 +125,7 @@ SDPA_MASK = registry.register(
             Guard("device", sdpa.query_device),
             Guard("shape", covers_the_scores_top_left),
         ),
+        cost=(NOT_AUTOTUNED_TRAINING,),
         replace=replace,
         # padded masks are sdpa_runtime_check's, which reports them
         unmatched=None,

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from fusionpass import registry
-from fusionpass.cost import Range, Switch, mode
+from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Range, Switch, mode
 from fusionpass.kernels.swiglu import DECODE_MAX_M
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, Variant, option
@@ -346,7 +346,7 @@ SWIGLU_MLP = registry.register(
         name="swiglu_mlp",
         summary="`act(gate(x)) * up(x)` into the down projection (SiLU, GELU-tanh, Phi-3's fused gate_up)",
         options=Options,
-        cost=(ANY_SIZE, RECOMPUTE, ROWS),
+        cost=(ANY_SIZE, RECOMPUTE, ROWS, NOT_AUTOTUNED_TRAINING),
         matches=(
             "the gated MLP act(gate(x)) * up(x) (HF Llama/Mistral/Qwen2 SiLU, Gemma GELU-tanh, "
             "Phi-3's fused gate_up_proj + chunk), with or without biases; the down projection "

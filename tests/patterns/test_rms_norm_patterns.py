@@ -685,3 +685,18 @@ def test_width_rule_by_mode(width, train, reason):
     else:
         assert record.matches == {}
         assert record.near_misses and all(reason in why for _, _, why in record.near_misses)
+
+
+def test_not_selected_in_training_while_inductor_autotunes():
+    # the cost rule NotAutotuned (fusionpass.cost): read from Inductor's config, which
+    # torch.compile's max-autotune modes set while the pass runs
+    model = block(LlamaRMSNorm, FP32)
+    x = inputs(FP32)
+    with torch._inductor.config.patch(max_autotune=True, max_autotune_gemm_backends="ATEN"):
+        got, stats = compile_and_count(model, x, train=True)
+        assert stats == {}
+        assert {m[0] for m in near_misses()} == {FUSION}
+        assert all("cost: Inductor autotunes (max-autotune) in training" in m[2] for m in near_misses())
+        assert_outcomes_close(got, eager(model, x, train=True), FP32)
+        _, stats = compile_and_count(model, x, train=False)
+        assert fusionpass.stats() == {FUSION: 3}
