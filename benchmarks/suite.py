@@ -261,6 +261,8 @@ def flash_attention_cases(smoke):
     fusion = ("flash_attention",)
     gpt2, bloom, llama = ((Shape(1, 2, 2, 64, 64),) * 2 + (Shape(1, 4, 2, 64, 64),)) if smoke else (
         Shape(16, 12, 12, 1024, 64), Shape(8, 16, 16, 2048, 64), Shape(4, 16, 4, 2048, 128))
+    llama_right, llama_short = (Shape(2, 4, 2, 64, 64),) * 2 if smoke else (
+        Shape(8, 16, 4, 1024, 128), Shape(32, 16, 4, 128, 64))
     return [
         Case(f"GPT-2 eager attention {gpt2}", attention_layers(GPT2, gpt2), True, fusion, True),
         # BLOOM's training step is in attention_out_proj's cases (with and without that fusion)
@@ -268,6 +270,12 @@ def flash_attention_cases(smoke):
         # SDPA's own (cuDNN/flash) kernel is faster for a plain causal mask: opt-in only
         Case(f"Llama sdpa causal {llama}", attention_layers(Llama, llama, impl="sdpa"), True, fusion, False,
              {FLASH_SDPA_SETTING: True}),
+        # causal AND the run-time attention_mask a collator passes (on by default): plain compile
+        # runs SDPA with the materialized mask; all ones, right padding, and a short sequence
+        *(Case(f"Llama sdpa causal + {pad} key padding {shape}",
+               attention_layers(Llama, shape, pad, impl="sdpa"), train, fusion, True)
+          for pad, shape, train in (("ones", llama, True), ("ones", llama, False), ("right", llama_right, True),
+                                    ("ones", llama_short, True))),
     ]
 
 

@@ -511,6 +511,11 @@ ATTENTION_CASES = [
         (BF16, GP77, True, "right"), (FP16, GP513, False, "left"), (BF16, GP1000, True, "left"),
         (FP32, GP1000, True, "left"),
     ], KERNEL, impl="sdpa"),
+    # causal AND padding at the default config (attention_causal_padding), without attention_kernel
+    *_cases("flash_attention", "causal_kernel_padded", "llama-sdpa-default", Llama, _kernel("rope"), [
+        (BF16, GP77, True, "ones"), (FP16, GP513, True, "left"), (BF16, GP1000, False, "right"),
+        (FP16, GP1000, True, "right"), (FP32, GP77, True, "left"),
+    ], impl="sdpa"),
     *_cases("flash_attention", "none_kernel_padded", "bert-sdpa", Bert, _kernel(), [
         (BF16, MP513, False, "left"), (FP16, MP77, True, "right"), (FP16, MP1000, False, "ones"),
         (FP32, MP1000, False, "ones"),

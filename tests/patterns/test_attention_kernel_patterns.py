@@ -106,6 +106,31 @@ def test_head_dim_guard():
     assert reason.startswith("kernel_head_dim: head dim 16 not in the kernel's")
 
 
+@pytest.mark.parametrize("padding_kind", ["ones", "right", "left"])
+def test_causal_padding_by_default(monkeypatch, padding_kind):
+    # attention_causal_padding (on by default) without attention_kernel: causal masks AND run-time
+    # key padding over square scores; left padding leaves query rows that see no key
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_KERNEL")
+    check(Attention("causal", layers=2), inputs(padding_kind), counts(causal_kernel_padded=2), train=True)
+    monkeypatch.setenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING", "0")
+    _, _, record = fused_graph(Attention("causal").eval(), *inputs(padding_kind), fusions=ATTENTION)
+    assert record.matches == {}
+
+
+def test_causal_padding_over_more_keys_than_queries_is_opt_in(monkeypatch):
+    # 4 queries over 8 keys with key padding (what a cache gives): only with attention_kernel
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_KERNEL")
+    module = Attention("causal").eval()
+    q = torch.randn(B, H, 4, D)
+    k, v = torch.randn(B, H, 8, D), torch.randn(B, H, 8, D)
+    args = (q, k, v, attention_mask("right", batch=B, length=8))
+    _, out, record = fused_graph(module, *args, fusions=ATTENTION)
+    assert record.matches == {}
+    assert [(f, why.split(":")[0]) for f, _, why in record.near_misses][:1] == [("flash_attention", "causal_padding")]
+    assert "4 queries over 8 keys (a cache)" in record.near_misses[0][2]
+    torch.testing.assert_close(out, module(*args))
+
+
 def test_off_by_default(monkeypatch):
     monkeypatch.delenv("FUSIONPASS_ATTENTION_KERNEL")
     _, _, record = fused_graph(Attention("sliding_window").eval(), *inputs(), fusions=ATTENTION)

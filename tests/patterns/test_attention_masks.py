@@ -42,9 +42,11 @@ SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_
 @pytest.fixture(autouse=True)
 def _run_time_check_on(monkeypatch):
     """The padded-mask rewrite (torch.cond on one all-true check) is opt-in
-    (Config.attention_runtime_check); these tests exercise it. test_padding_is_a_near_miss_by_default
-    checks the default."""
+    (Config.attention_runtime_check); these tests exercise it, so causal padding's default kernel
+    route (attention_causal_padding, which flash_attention takes first) is off here.
+    test_padding_by_default checks the defaults."""
     monkeypatch.setenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", "1")
+    monkeypatch.setenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING", "0")
 
 
 def counts(**variants) -> dict:
@@ -656,9 +658,12 @@ def test_rotary_query_with_padding_inference():
     assert_outcomes_close(got, eager(module, *inputs))
 
 
-def test_padding_is_a_near_miss_by_default(monkeypatch):
+def test_all_true_padding_is_a_near_miss_by_default(monkeypatch):
+    # (causal AND key padding goes to flash_attention's kernel by default, attention_causal_padding:
+    # tests/patterns/test_attention_kernel_patterns.py, at the kernel's head dims)
     monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK")
-    module = Attention("causal").eval()
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING")
+    module = Attention("bidirectional").eval()
     inputs = inputs_for("ones")
     _, out, record = fused_graph(module, *inputs, fusions=ATTENTION)
     assert record.matches == {}
