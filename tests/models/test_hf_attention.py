@@ -45,9 +45,11 @@ RTOL_FP32 = 1e-4
 @pytest.fixture(autouse=True)
 def _run_time_check_on(monkeypatch):
     """The padded-mask rewrite (torch.cond on one all-true check) is opt-in
-    (Config.attention_runtime_check); these tests exercise it. test_padding_is_a_near_miss_by_default
-    checks the default."""
+    (Config.attention_runtime_check); these tests exercise it, with causal padding's default kernel
+    route off (at these head dims of 16 the kernel would refuse it anyway, with a near miss).
+    test_causal_padding_by_default checks the default."""
     monkeypatch.setenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", "1")
+    monkeypatch.setenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING", "0")
 
 
 OPT_IN = "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1)"
@@ -257,6 +259,24 @@ def test_mistral_sliding_window_with_padding():
 def test_gpt2_with_attention_mask():
     with known_bug(torch._dynamo.exc.BackendCompilerFailed, "might be aliasing the input"):
         check("gpt2", "ones", train=True)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("mask", ["ones", "right", "left"])
+def test_causal_padding_by_default(monkeypatch, mask, train):
+    # the attention_mask a data collator passes: flash_attention's kernel at the default config
+    # (attention_causal_padding), at a head dim the kernel takes, against plain compile
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK")
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING")
+    monkeypatch.setitem(DECODER, "num_attention_heads", 2)
+    monkeypatch.setitem(DECODER, "num_key_value_heads", 1)
+    monkeypatch.setitem(DECODER, "head_dim", 64)
+    model = build("llama").train(train)
+    args, kwargs = inputs("llama", mask, train)
+    got, stats = compile_and_count(model, *args, fusions=ATTENTION, train=train, kwargs=kwargs)
+    assert near_misses() == []
+    assert stats == {("flash_attention", "causal_kernel_padded"): LAYERS}
+    assert_outcomes_close(got, plain_compile(model, args, kwargs, train), rtol=RTOL_FP32)
 
 
 # ---------------------------------------------------------------------------------------------
