@@ -44,7 +44,7 @@ def _run_time_check_on(monkeypatch):
     """The padded-mask rewrite (torch.cond on one all-true check) is opt-in
     (Config.attention_runtime_check); these tests exercise it, so causal padding's default kernel
     route (attention_causal_padding, which flash_attention takes first) is off here.
-    test_padding_by_default checks the defaults."""
+    test_all_true_padding_is_a_near_miss_by_default checks the default there."""
     monkeypatch.setenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", "1")
     monkeypatch.setenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING", "0")
 

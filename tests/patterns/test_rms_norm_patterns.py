@@ -698,5 +698,5 @@ def test_not_selected_in_training_while_inductor_autotunes():
         assert {m[0] for m in near_misses()} == {FUSION}
         assert all("cost: Inductor autotunes (max-autotune) in training" in m[2] for m in near_misses())
         assert_outcomes_close(got, eager(model, x, train=True), FP32)
-        _, stats = compile_and_count(model, x, train=False)
+        compile_and_count(model, x, train=False)  # inference is not under the rule
         assert fusionpass.stats() == {FUSION: 3}
