@@ -2,6 +2,7 @@
 to the moment of the peak, with every live block named by the line that allocated it.
 
     python benchmarks/memory_snapshot.py --row llama8b-4l-b1-s16384 --version fusionpass [--seq S]
+                                         (--version: any of training_memory.VERSIONS; liger needs liger-kernel)
                                          [--out benchmarks/results/memory/snapshot_NAME.md]
 
 The model, step and shapes are training_memory.py's (one child there = one run here), and the
@@ -77,7 +78,7 @@ def where(frames: list[dict]) -> tuple[str, str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--row", default="llama8b-4l-b1-s16384", choices=list(tm.ROWS))
-    p.add_argument("--version", default="fusionpass", choices=tm.SIDE_BY_SIDE)
+    p.add_argument("--version", default="fusionpass", choices=tm.VERSIONS)
     p.add_argument("--seq", type=int, default=None, help="override the row's S")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out", type=pathlib.Path, required=True)
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     seq = args.seq or seq
     probe = tm.Probe((args.version,), shape, batch, seq, "cuda", timed=False)
     torch.manual_seed(0)
-    model = tm._build(probe, liger=False)
+    model = tm._build(probe, liger=args.version.startswith("liger"))
     params = [p for p in model.parameters() if p.requires_grad]
     ids = torch.randint(0, shape["vocab"], (batch, seq), generator=torch.Generator().manual_seed(0)).cuda()
     with fresh_compile_caches():
