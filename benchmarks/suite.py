@@ -279,6 +279,25 @@ def flash_attention_cases(smoke):
     ]
 
 
+def attention_windows_cases(smoke):
+    """flash_attention's sliding-window route (on by default), a topic of its own: plain compile
+    runs SDPA with the materialized window mask over every key. Mistral's window, Gemma-3's (head
+    dim 256), a window that cuts little, and one with right key padding."""
+    from fusionpass.conformance.cases_attention import Llama
+
+    Shape = _attention_shapes()
+    if smoke:
+        rows = [(17, None, Shape(1, 4, 2, 64, 64), True), (17, "right", Shape(2, 4, 2, 64, 64), True)]
+    else:
+        mistral, gemma, cuts_little, padded = (Shape(4, 32, 8, 4096, 128), Shape(2, 8, 4, 4096, 256),
+                                               Shape(4, 16, 4, 2048, 128), Shape(8, 16, 4, 1024, 128))
+        rows = [(1024, None, mistral, True), (1024, None, mistral, False), (512, None, gemma, True),
+                (1536, None, cuts_little, True), (256, "right", padded, True)]
+    return [Case(f"Mistral sdpa sliding window {window}{f' + {pad} key padding' if pad else ''} {shape}",
+                 attention_layers(Llama, shape, pad, impl="sdpa", window=window), train, ("flash_attention",), True)
+            for window, pad, shape, train in rows]
+
+
 def rope_attention_cases(smoke):
     from fusionpass.conformance.cases_attention import Llama
 
@@ -341,6 +360,7 @@ KERNEL_TOPICS = {
     "decode_attention": decode_attention_cases,
     "sdpa_mask": sdpa_mask_cases,
     "flash_attention": flash_attention_cases,
+    "attention_windows": attention_windows_cases,
     "rope_attention": rope_attention_cases,
     "attention_out_proj": attention_out_proj_cases,
     "swiglu_mlp": swiglu_mlp_cases,
@@ -376,6 +396,11 @@ SMOKE_CONFIG = {
                        vocab_size=256),
     "BloomConfig": dict(hidden_size=128, n_layer=1, n_head=2, vocab_size=256),
     "FalconConfig": dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, vocab_size=256),
+    "MistralConfig": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=64, vocab_size=256, sliding_window=5),
+    "Gemma3TextConfig": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=64, vocab_size=256, sliding_window=5,
+                             layer_types=["sliding_attention", "full_attention"]),
 }
 
 
@@ -408,6 +433,10 @@ def model_cases(smoke):
     falcon = dict(alibi, num_hidden_layers=4, num_attention_heads=16, alibi=True, new_decoder_architecture=False,
                   multi_query=False, parallel_attn=False, bias=True)
 
+    gemma3 = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=6, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=256, vocab_size=32000, max_position_embeddings=8192,
+                  sliding_window=512)
+
     def shape(batch, seq):
         return (1, 16) if smoke else (batch, seq)
 
@@ -418,8 +447,9 @@ def model_cases(smoke):
                   True, *shape(4, 2048), without="rope"),
         ModelCase("HF Llama 8L h2048 GQA 16/4", hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama(8)),
                   False, *shape(4, 2048)),
-        ModelCase("HF Llama 4L h2048 GQA 16/4, all-ones attention_mask",
-                  hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama(4)), True, *shape(4, 2048), True),
+        # the attention_mask a data collator passes (all ones): causal padding's kernel route
+        ModelCase("HF Llama 8L h2048 GQA 16/4, all-ones attention_mask",
+                  hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama(8)), True, *shape(4, 2048), True),
         ModelCase("GPT-2 small widths 6L, eager attention",
                   hf_model("GPT2Config", causal_lm, "eager", smoke, n_layer=6), True, *shape(16, 1024)),
         ModelCase("BERT-base MLM widths 6L, sdpa", hf_model("BertConfig", mlm, "sdpa", smoke, num_hidden_layers=6),
@@ -429,6 +459,12 @@ def model_cases(smoke):
                   True, *shape(8, 2048)),
         ModelCase("Falcon-ALiBi 4L h1024 16 heads (sdpa, ALiBi in the mask)",
                   hf_model("FalconConfig", causal_lm, "sdpa", smoke, **falcon), False, *shape(8, 2048)),
+        # sliding windows shorter than the sequence: every Mistral layer, Gemma-3's five local of six
+        ModelCase("Mistral 4L h2048 GQA 16/4, sliding window 1024",
+                  hf_model("MistralConfig", causal_lm, "sdpa", smoke, **llama(4), sliding_window=1024),
+                  True, *shape(2, 4096)),
+        ModelCase("Gemma-3 text 6L h2048 8/4 heads of 256, sliding window 512",
+                  hf_model("Gemma3TextConfig", causal_lm, "sdpa", smoke, **gemma3), True, *shape(2, 4096)),
     ]
 
 

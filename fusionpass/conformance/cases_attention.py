@@ -52,7 +52,8 @@ class Shape:
 
 
 def _attention_mask(kind: str | None, batch: int, length: int, device) -> torch.Tensor | None:
-    """The tokenizer's [B, L] int mask; row 0 is never padded, row r loses r * L // (B + 1) tokens."""
+    """The tokenizer's [B, L] int mask; row 0 is never padded, row r loses r * L // (B + 1) tokens
+    ("left_empty": left padding with the last row padded whole, a batch row with no token)."""
     if kind is None:
         return None
     mask = torch.ones(batch, length, dtype=torch.long, device=device)
@@ -60,10 +61,12 @@ def _attention_mask(kind: str | None, batch: int, length: int, device) -> torch.
         n = row * length // (batch + 1)
         if kind == "right":
             mask[row, length - n:] = 0
-        elif kind == "left":
+        elif kind in ("left", "left_empty"):
             mask[row, :n] = 0
         else:
             assert kind == "ones", kind
+    if kind == "left_empty":
+        mask[-1] = 0
     return mask
 
 
@@ -106,11 +109,11 @@ def _positions(length: int, device, offset=0) -> torch.Tensor:
 
 
 class Llama(nn.Module):
-    """LlamaAttention layers (MistralAttention with a sliding window, of about a third of the
-    sequence): rotary cos/sin and create_causal_mask (create_sliding_window_causal_mask) as
-    LlamaModel / MistralModel call them."""
+    """LlamaAttention layers (MistralAttention with a sliding window: `window` keys, or with
+    window=True about a third of the sequence): rotary cos/sin and create_causal_mask
+    (create_sliding_window_causal_mask) as LlamaModel / MistralModel call them."""
 
-    def __init__(self, shape: Shape, impl: str, window: bool = False):
+    def __init__(self, shape: Shape, impl: str, window: bool | int = False):
         super().__init__()
         import transformers
         from transformers.models.llama import modeling_llama
@@ -119,7 +122,7 @@ class Llama(nn.Module):
         config_class, family = (
             (transformers.MistralConfig, modeling_mistral) if window else (transformers.LlamaConfig, modeling_llama))
         prefix = "Mistral" if window else "Llama"
-        extra = {"sliding_window": shape.s // 3 | 1} if window else {}
+        extra = {"sliding_window": shape.s // 3 | 1 if window is True else window} if window else {}
         self.config = config_class(hidden_size=64 * shape.hq, num_attention_heads=shape.hq, num_key_value_heads=shape.hkv,
                                    head_dim=shape.d, max_position_embeddings=4096, attention_dropout=0.0, **extra)
         self.config._attn_implementation = impl
@@ -514,8 +517,28 @@ ATTENTION_CASES = [
     # causal AND padding at the default config (attention_causal_padding), without attention_kernel
     *_cases("flash_attention", "causal_kernel_padded", "llama-sdpa-default", Llama, _kernel("rope"), [
         (BF16, GP77, True, "ones"), (FP16, GP513, True, "left"), (BF16, GP1000, False, "right"),
-        (FP16, GP1000, True, "right"), (FP32, GP77, True, "left"),
+        (FP16, GP1000, True, "right"), (FP32, GP77, True, "left"), (BF16, GP77, True, "left_empty"),
+        (FP16, GP513, False, "left_empty"),
     ], impl="sdpa"),
+    # sliding windows at the default config (attention_sliding_window), without attention_kernel:
+    # windows of 1, 64 and 333 keys, with and without padding (left padding: rows that see no key)
+    *_cases("flash_attention", "sliding_window_kernel", "mistral-sdpa-default-w1", Llama, _kernel("rope"), [
+        (BF16, G77, True, None), (FP16, G77, False, None),
+    ], impl="sdpa", window=1),
+    *_cases("flash_attention", "sliding_window_kernel", "mistral-sdpa-default-w64", Llama, _kernel("rope"), [
+        (BF16, G513, True, None), (FP16, G513, False, None), (FP32, G513, True, None),
+    ], impl="sdpa", window=64),
+    *_cases("flash_attention", "sliding_window_kernel_padded", "mistral-sdpa-default-w64", Llama, _kernel("rope"), [
+        (BF16, GP513, True, "left"), (FP16, GP77, True, "right"), (BF16, GP77, False, "ones"),
+        (BF16, GP513, True, "left_empty"),
+    ], impl="sdpa", window=64),
+    *_cases("flash_attention", "sliding_window_kernel", "mistral-sdpa-default-w333", Llama, _kernel("rope"), [
+        (BF16, G1000, True, None), (FP16, G1000_128, False, None),
+    ], impl="sdpa", window=333),
+    *_cases("flash_attention", "sliding_window_kernel_padded", "mistral-sdpa-default-w333", Llama,
+            _kernel("rope"), [
+        (BF16, GP1000, True, "right"), (FP16, GP1000, False, "left"),
+    ], impl="sdpa", window=333),
     *_cases("flash_attention", "none_kernel_padded", "bert-sdpa", Bert, _kernel(), [
         (BF16, MP513, False, "left"), (FP16, MP77, True, "right"), (FP16, MP1000, False, "ones"),
         (FP32, MP1000, False, "ones"),

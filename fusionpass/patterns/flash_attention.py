@@ -13,12 +13,16 @@ On by default, where SDPA has no fast kernel for what the model computes:
   - SDPA with a causal mask AND key padding from the run-time attention_mask (what every HF data
     collator passes, all ones or not), over square scores (Lq == Lk, no cache): plain compile runs
     SDPA with the materialized [B, 1, L, L] mask there; the kernel reads a [B, Lk] key-padding
-    vector (`attention_causal_padding`, on by default; benchmarks/results/latest/flash_attention.md).
-Opt-in (`attention_kernel`): SDPA with a sliding-window mask (Mistral, Gemma-2's local layers,
-Qwen2 with use_sliding_window), an all-true mask AND run-time key padding, and causal padding
-over a cache (Lq != Lk): window, alignment and the [B, Lk] key-padding vector read from the mask's
-classification, grouped K/V read without repeat_kv, no torch.cond, no host sync. Off by default
-because against SDPA's own kernels it won on some shapes and lost on others
+    vector (`attention_causal_padding`, on by default; benchmarks/results/latest/flash_attention.md);
+  - SDPA with a proven sliding-window mask (Mistral, Gemma-2/3's local layers, Qwen2 with
+    use_sliding_window), with or without run-time key padding, over square scores: plain compile
+    runs SDPA with the materialized window mask, every key block of every row; the kernel visits
+    only the blocks inside the window (`attention_sliding_window`, on by default;
+    benchmarks/results/latest/attention_windows.md).
+Opt-in (`attention_kernel`): an all-true mask AND run-time key padding, and causal or windowed
+masks over a cache (Lq != Lk): window, alignment and the [B, Lk] key-padding vector read from the
+mask's classification, grouped K/V read without repeat_kv, no torch.cond, no host sync. Off by
+default because against SDPA's own kernels it won on some shapes and lost on others
 (benchmarks/results/latest/flash_attention.md).
 On CUDA every route takes fp16/bf16 only: the kernels' fp32 dots run on FMA units, slower than
 plain torch.compile (`attention_kernel.kernel_dtypes`).
@@ -295,32 +299,43 @@ def _kernel_on(cfg) -> bool:
     return cfg.attention_kernel
 
 
-def _kernel_off(cfg) -> bool:
-    return not cfg.attention_kernel
-
-
 def _causal_padding_on(cfg) -> bool:
     return cfg.attention_kernel or cfg.attention_causal_padding
 
 
-def causal_padding_square(m: Match, cfg) -> str | None:
-    """By default (attention_causal_padding without attention_kernel) causal key padding takes the
-    kernel over square scores only, the form the GPU conformance suite checks at the default."""
-    if cfg.attention_kernel or m.variant != "causal_kernel_padded":
+def _sliding_window_on(cfg) -> bool:
+    return cfg.attention_kernel or cfg.attention_sliding_window
+
+
+def _sliding_window_off(cfg) -> bool:
+    return not _sliding_window_on(cfg)
+
+
+# the SDPA masks the default settings send to the kernel over square scores only
+_SQUARE_BY_DEFAULT = {"causal_kernel_padded": "causal key padding",
+                      "sliding_window_kernel": "a sliding window", "sliding_window_kernel_padded": "a sliding window"}
+
+
+def square_by_default(m: Match, cfg) -> str | None:
+    """Without attention_kernel, causal key padding and sliding windows take the kernel over square
+    scores only (no cache), the form the GPU conformance suite checks at the default settings."""
+    what = _SQUARE_BY_DEFAULT.get(m.variant)
+    if cfg.attention_kernel or what is None:
         return None
     args = m.bindings["args"]
     lq, lk = g.tensor(args["query"]).shape[-2], g.tensor(args["key"]).shape[-2]
     if m.bindings["shift"] != 0 or not statically_known_true(lq == lk):
-        return f"causal key padding with {lq} queries over {lk} keys (a cache): {KERNEL_OPT_IN}"
+        return f"{what} with {lq} queries over {lk} keys (a cache): {KERNEL_OPT_IN}"
     return None
 
 
 KERNEL_OPT_IN = "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1)"
+SLIDING_WINDOW_OFF = "fusionpass's sliding-window route is off (attention_sliding_window=False)"
 
 
 def _sliding_window_opt_in(node: fx.Node) -> Match | None:
-    """With the kernel route off: a proven sliding-window mask, which only this route takes (no SDPA
-    call without a mask computes it), is a near miss that names the setting."""
+    """With the sliding-window route off: a proven sliding-window mask, which only this route takes
+    (no SDPA call without a mask computes it), is a near miss that names the setting."""
     if not sdpa.is_sdpa(node):
         return None
     args = sdpa.sdpa_arguments(node)
@@ -329,7 +344,7 @@ def _sliding_window_opt_in(node: fx.Node) -> Match | None:
         return None
     found = masks.classify(mask)
     if found.kind == "sliding_window":
-        raise NearMiss(f"{found.detail}: {KERNEL_OPT_IN}")
+        raise NearMiss(f"{found.detail}: {SLIDING_WINDOW_OFF}")
     return None
 
 
@@ -343,12 +358,16 @@ class Options:
     # Off by default: against SDPA's own kernels it won on some models and lost on others
     # (benchmarks/results/latest/flash_attention.md). Eager-math and ALiBi attention go to the
     # kernel regardless. Where on, it is preferred over sdpa_runtime_check's torch.cond.
-    kernel: bool = option(False, "SDPA with a proven sliding-window mask, or causal/all-true AND "
-                                 "run-time key padding -> fusionpass::flash_attention")
+    kernel: bool = option(False, "every SDPA route to the kernel: also all-true masks AND run-time key padding, "
+                                 "and causal or windowed masks over a cache -> fusionpass::flash_attention")
     # On by default: plain compile runs SDPA with the materialized mask there
     # (benchmarks/results/latest/flash_attention.md).
     causal_padding: bool = option(True, "SDPA with a causal mask AND run-time key padding over square "
                                         "scores (an HF collator's attention_mask) -> fusionpass::flash_attention")
+    # On by default: plain compile runs SDPA with the materialized window mask over every key;
+    # the kernel skips the blocks outside the window (benchmarks/results/latest/attention_windows.md).
+    sliding_window: bool = option(True, "SDPA with a proven sliding-window mask (with or without run-time "
+                                        "key padding) over square scores -> fusionpass::flash_attention")
 
 
 FLASH_ATTENTION = registry.register(
@@ -362,14 +381,15 @@ FLASH_ATTENTION = registry.register(
             "eager-math attention (BLOOM's baddbmm of the ALiBi tensor, MPT's added ALiBi slice and "
             "masked_fill, Falcon's ALiBi in scores and mask, GPT-2's matmul / scale / "
             "additive causal mask / softmax / dropout / matmul) and SDPA whose float mask carries a per-key "
-            "(ALiBi) bias over a proven causal/all-true mask (+ key padding), and SDPA with a causal mask AND "
-            "run-time key padding -> fusionpass::flash_attention; opt-in: SDPA with a proven sliding-window "
-            "mask, or an all-true mask AND run-time key padding"
+            "(ALiBi) bias over a proven causal/all-true mask (+ key padding), SDPA with a causal mask AND "
+            "run-time key padding, and SDPA with a proven sliding-window mask (+ key padding) -> "
+            "fusionpass::flash_attention; opt-in: SDPA with an all-true mask AND run-time key padding"
         ),
         selected_when=(
             "eager-math attention and ALiBi-biased SDPA masks (our kernel instead of S x S tensors); "
             "causal masks with run-time key padding over square scores unless attention_causal_padding=False; "
-            "sliding windows, all-true masks with key padding and causal padding over a cache only with "
+            "sliding windows over square scores unless attention_sliding_window=False; "
+            "all-true masks with key padding, and causal padding or windows over a cache, only with "
             "attention_kernel=True; "
             "fp16/bf16 on CUDA (fp32 is a near miss there, kernel_dtypes)"
         ),
@@ -382,11 +402,11 @@ FLASH_ATTENTION = registry.register(
             # follow), and kernel_dtypes keeps fp32 out on CUDA
             Variant("eager_alibi_mask_kernel", _only(_eager_search, "eager_alibi_mask_kernel"), cuda=False),
             *(Variant(v, _only(_alibi_mask_search, v)) for v in ("alibi_mask_kernel", "alibi_mask_kernel_padded")),
-            Variant("sliding_window_kernel", _kernel_search("sliding_window", False), when=_kernel_on),
-            Variant("sliding_window_kernel_padded", _kernel_search("sliding_window", True), when=_kernel_on),
+            Variant("sliding_window_kernel", _kernel_search("sliding_window", False), when=_sliding_window_on),
+            Variant("sliding_window_kernel_padded", _kernel_search("sliding_window", True), when=_sliding_window_on),
             Variant("causal_kernel_padded", _kernel_search("causal", True), when=_causal_padding_on),
             Variant("none_kernel_padded", _kernel_search("none", True), when=_kernel_on),
-            Variant("sliding_window_opt_in", _sliding_window_opt_in, when=_kernel_off, reports_only=True),
+            Variant("sliding_window_opt_in", _sliding_window_opt_in, when=_sliding_window_off, reports_only=True),
         ),
         guards=(
             Guard("device", sdpa.query_device),
@@ -395,7 +415,7 @@ FLASH_ATTENTION = registry.register(
             Guard("kernel_shape", ak.kernel_shapes),
             Guard("kernel_head_dim", kernel_head_dim),
             Guard("kernel_constants", kernel_constants),
-            Guard("causal_padding", causal_padding_square),
+            Guard("square_by_default", square_by_default),
         ),
         replace=replace_with_kernel,
         # an SDPA call this fusion leaves is sdpa_mask's or sdpa_runtime_check's next

@@ -47,14 +47,17 @@ def _run_time_check_on(monkeypatch):
     """The padded-mask rewrite (torch.cond on one all-true check) is opt-in
     (Config.attention_runtime_check); these tests exercise it, with causal padding's default kernel
     route off (at these head dims of 16 the kernel would refuse it anyway, with a near miss).
-    test_causal_padding_by_default checks the default."""
+    test_causal_padding_by_default checks the default. So is the sliding-window route's, whose near
+    miss these tests read (test_sliding_window_by_default checks the default)."""
     monkeypatch.setenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", "1")
     monkeypatch.setenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING", "0")
+    monkeypatch.setenv("FUSIONPASS_ATTENTION_SLIDING_WINDOW", "0")
 
 
 OPT_IN = "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1)"
-SLIDING = "sliding-window mask: " + OPT_IN
-SLIDING_PADDED = "sliding-window mask with key padding from a run-time tensor: " + OPT_IN
+WINDOW_OFF = "fusionpass's sliding-window route is off (attention_sliding_window=False)"
+SLIDING = "sliding-window mask: " + WINDOW_OFF
+SLIDING_PADDED = "sliding-window mask with key padding from a run-time tensor: " + WINDOW_OFF
 
 
 DECODER = {
@@ -93,6 +96,10 @@ def build(family: str):
         config, cls = t.Qwen2Config(**DECODER), t.Qwen2ForCausalLM
     elif family == "gemma2":
         config, cls = t.Gemma2Config(**DECODER, sliding_window=WINDOW), t.Gemma2ForCausalLM
+    elif family == "gemma3":  # a local layer, then a global one (Gemma-3 has five local per global)
+        config = t.Gemma3TextConfig(**DECODER, sliding_window=WINDOW,
+                                    layer_types=["sliding_attention", "full_attention"])
+        cls = t.Gemma3ForCausalLM
     elif family == "phi3":
         kw = {k: v for k, v in DECODER.items() if k != "head_dim"}  # Phi-3: hidden / heads
         config = t.Phi3Config(**kw, resid_pdrop=0.0, embd_pdrop=0.0)
@@ -276,6 +283,31 @@ def test_causal_padding_by_default(monkeypatch, mask, train):
     got, stats = compile_and_count(model, *args, fusions=ATTENTION, train=train, kwargs=kwargs)
     assert near_misses() == []
     assert stats == {("flash_attention", "causal_kernel_padded"): LAYERS}
+    assert_outcomes_close(got, plain_compile(model, args, kwargs, train), rtol=RTOL_FP32)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("family,mask", [("mistral", None), ("mistral", "right"), ("gemma2", "left"),
+                                         ("gemma3", None), ("gemma3", "ones")])
+def test_sliding_window_by_default(monkeypatch, family, mask, train):
+    # sliding windows shorter than the sequence, with and without the collator's attention_mask:
+    # flash_attention's kernel at the default config (attention_sliding_window), at a head dim the
+    # kernel takes, against plain compile; Gemma's global layer is causal (padded: the kernel too)
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK")
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING")
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_SLIDING_WINDOW")
+    monkeypatch.setitem(DECODER, "num_attention_heads", 2)
+    monkeypatch.setitem(DECODER, "num_key_value_heads", 1)
+    monkeypatch.setitem(DECODER, "head_dim", 64)
+    model = build(family).train(train)
+    args, kwargs = inputs(family, mask, train)
+    got, stats = compile_and_count(model, *args, fusions=ATTENTION, train=train, kwargs=kwargs)
+    assert near_misses() == []
+    window = "sliding_window_kernel_padded" if mask else "sliding_window_kernel"
+    want = {("flash_attention", window): LAYERS} if family == "mistral" else {
+        ("flash_attention", window): 1, attention_key("causal_kernel_padded" if mask else "causal_mask"): 1}
+    assert_fast_form(stats, want)
+    assert ("flash_attention", window) in stats
     assert_outcomes_close(got, plain_compile(model, args, kwargs, train), rtol=RTOL_FP32)
 
 

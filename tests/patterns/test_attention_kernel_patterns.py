@@ -1,6 +1,6 @@
-"""attention, kernel route (Config.attention_kernel, FUSIONPASS_ATTENTION_KERNEL=1): SDPA calls whose
-transformers-style mask is proven sliding-window, or causal/all-true AND key padding from the
-run-time attention_mask, become fusionpass::flash_attention (the FA2-style kernel under the Triton
+"""attention, kernel route (Config.attention_kernel, FUSIONPASS_ATTENTION_KERNEL=1; sliding windows
+and causal padding over square scores also by default): SDPA calls whose transformers-style mask is
+proven sliding-window, or causal/all-true AND key padding from the run-time attention_mask, become fusionpass::flash_attention (the FA2-style kernel under the Triton
 interpreter here), with exact counts; outputs and q/k/v gradients equal eager within fp32
 tolerance. Head dim 64 (the kernel's smallest), short sequences, few heads."""
 from __future__ import annotations
@@ -126,17 +126,35 @@ def test_causal_padding_over_more_keys_than_queries_is_opt_in(monkeypatch):
     args = (q, k, v, attention_mask("right", batch=B, length=8))
     _, out, record = fused_graph(module, *args, fusions=ATTENTION)
     assert record.matches == {}
-    assert [(f, why.split(":")[0]) for f, _, why in record.near_misses][:1] == [("flash_attention", "causal_padding")]
-    assert "4 queries over 8 keys (a cache)" in record.near_misses[0][2]
+    assert [(f, why.split(":")[0]) for f, _, why in record.near_misses][:1] == [("flash_attention", "square_by_default")]
+    assert "causal key padding with 4 queries over 8 keys (a cache)" in record.near_misses[0][2]
     torch.testing.assert_close(out, module(*args))
 
 
-def test_off_by_default(monkeypatch):
+@pytest.mark.parametrize("padding_kind", [None, "right", "left"])
+def test_sliding_window_by_default(monkeypatch, padding_kind):
+    # attention_sliding_window (on by default) without attention_kernel: proven windows over square
+    # scores, with or without run-time key padding; attention_sliding_window=False names itself
     monkeypatch.delenv("FUSIONPASS_ATTENTION_KERNEL")
-    _, _, record = fused_graph(Attention("sliding_window").eval(), *inputs(), fusions=ATTENTION)
+    variant = "sliding_window_kernel_padded" if padding_kind else "sliding_window_kernel"
+    check(Attention("sliding_window", layers=2), inputs(padding_kind), counts(**{variant: 2}), train=True)
+    monkeypatch.setenv("FUSIONPASS_ATTENTION_SLIDING_WINDOW", "0")
+    _, _, record = fused_graph(Attention("sliding_window").eval(), *inputs(padding_kind), fusions=ATTENTION)
     assert record.matches == {}
     ((_, _, reason),) = record.near_misses
-    assert "opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1)" in reason
+    assert reason.endswith("sliding-window route is off (attention_sliding_window=False)")
+
+
+def test_sliding_window_over_more_keys_than_queries_is_opt_in(monkeypatch):
+    # 4 queries over 8 keys (what a cache gives): only with attention_kernel
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_KERNEL")
+    module = Attention("sliding_window", q_offset=4).eval()
+    args = (torch.randn(B, H, 4, D), torch.randn(B, H, 8, D), torch.randn(B, H, 8, D))
+    _, out, record = fused_graph(module, *args, fusions=ATTENTION)
+    assert record.matches == {}
+    assert [(f, why.split(":")[0]) for f, _, why in record.near_misses][:1] == [("flash_attention", "square_by_default")]
+    assert "a sliding window with 4 queries over 8 keys (a cache)" in record.near_misses[0][2]
+    torch.testing.assert_close(out, module(*args))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,9 +44,12 @@ def _run_time_check_on(monkeypatch):
     """The padded-mask rewrite (torch.cond on one all-true check) is opt-in
     (Config.attention_runtime_check); these tests exercise it, so causal padding's default kernel
     route (attention_causal_padding, which flash_attention takes first) is off here.
-    test_all_true_padding_is_a_near_miss_by_default checks the default there."""
+    test_all_true_padding_is_a_near_miss_by_default checks the default there. The sliding-window
+    route (attention_sliding_window) is off too: its near miss is what these tests read
+    (test_attention_kernel_patterns.py checks the route)."""
     monkeypatch.setenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", "1")
     monkeypatch.setenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING", "0")
+    monkeypatch.setenv("FUSIONPASS_ATTENTION_SLIDING_WINDOW", "0")
 
 
 def counts(**variants) -> dict:
@@ -444,7 +447,8 @@ def test_two_layers_compiled_training():
 
 
 OPT_IN = "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1)"
-WINDOW = "sliding-window mask: " + OPT_IN
+WINDOW_OFF = "fusionpass's sliding-window route is off (attention_sliding_window=False)"
+WINDOW = "sliding-window mask: " + WINDOW_OFF
 
 
 def test_sliding_window():
@@ -455,7 +459,7 @@ def test_sliding_window_with_padding():
     assert_miss(
         Attention("sliding_window"),
         inputs_for("right"),
-        "sliding-window mask with key padding from a run-time tensor: " + OPT_IN,
+        "sliding-window mask with key padding from a run-time tensor: " + WINDOW_OFF,
     )
 
 
