@@ -3,7 +3,8 @@
 Under torch.compile transformers 5.x hands every SDPA call a materialized boolean mask with
 `is_causal=False`. Per layer the fusion rewrites it to `is_causal=True` (decoders), no mask
 (BERT), or, with an attention_mask passed, a branch on one all-true check per forward; sliding
-windows (Mistral with `sliding_window`, Gemma-2's local layers) stay near misses. Each model is
+windows (Mistral with `sliding_window`, Gemma-2's local layers) are near misses with the
+sliding-window route off (test_sliding_window_by_default: the kernel's, by default). Each model is
 compiled with only the attention fusions (tests.helpers.ATTENTION) and with plain torch.compile; logits, and in training the
 loss and every parameter gradient, agree within fp32 tolerance, with padding too (the masked
 branch runs then).
