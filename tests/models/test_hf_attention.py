@@ -55,7 +55,6 @@ def _run_time_check_on(monkeypatch):
     monkeypatch.setenv("FUSIONPASS_ATTENTION_SLIDING_WINDOW", "0")
 
 
-OPT_IN = "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1)"
 WINDOW_OFF = "fusionpass's sliding-window route is off (attention_sliding_window=False)"
 SLIDING = "sliding-window mask: " + WINDOW_OFF
 SLIDING_PADDED = "sliding-window mask with key padding from a run-time tensor: " + WINDOW_OFF

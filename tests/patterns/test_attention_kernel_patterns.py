@@ -1,8 +1,9 @@
 """attention, kernel route (Config.attention_kernel, FUSIONPASS_ATTENTION_KERNEL=1; sliding windows
 and causal padding over square scores also by default): SDPA calls whose transformers-style mask is
-proven sliding-window, or causal/all-true AND key padding from the run-time attention_mask, become fusionpass::flash_attention (the FA2-style kernel under the Triton
-interpreter here), with exact counts; outputs and q/k/v gradients equal eager within fp32
-tolerance. Head dim 64 (the kernel's smallest), short sequences, few heads."""
+proven sliding-window, or causal/all-true AND key padding from the run-time attention_mask, become
+fusionpass::flash_attention (the FA2-style kernel under the Triton interpreter here), with exact
+counts; outputs and q/k/v gradients equal eager within fp32 tolerance. Head dim 64 (the kernel's
+smallest), short sequences, few heads."""
 from __future__ import annotations
 
 import pytest
@@ -126,7 +127,8 @@ def test_causal_padding_over_more_keys_than_queries_is_opt_in(monkeypatch):
     args = (q, k, v, attention_mask("right", batch=B, length=8))
     _, out, record = fused_graph(module, *args, fusions=ATTENTION)
     assert record.matches == {}
-    assert [(f, why.split(":")[0]) for f, _, why in record.near_misses][:1] == [("flash_attention", "square_by_default")]
+    first = [(f, why.split(":")[0]) for f, _, why in record.near_misses][:1]
+    assert first == [("flash_attention", "square_by_default")]
     assert "causal key padding with 4 queries over 8 keys (a cache)" in record.near_misses[0][2]
     torch.testing.assert_close(out, module(*args))
 
@@ -152,7 +154,8 @@ def test_sliding_window_over_more_keys_than_queries_is_opt_in(monkeypatch):
     args = (torch.randn(B, H, 4, D), torch.randn(B, H, 8, D), torch.randn(B, H, 8, D))
     _, out, record = fused_graph(module, *args, fusions=ATTENTION)
     assert record.matches == {}
-    assert [(f, why.split(":")[0]) for f, _, why in record.near_misses][:1] == [("flash_attention", "square_by_default")]
+    first = [(f, why.split(":")[0]) for f, _, why in record.near_misses][:1]
+    assert first == [("flash_attention", "square_by_default")]
     assert "a sliding window with 4 queries over 8 keys (a cache)" in record.near_misses[0][2]
     torch.testing.assert_close(out, module(*args))
 

@@ -446,7 +446,6 @@ def test_two_layers_compiled_training():
 # near misses
 
 
-OPT_IN = "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1)"
 WINDOW_OFF = "fusionpass's sliding-window route is off (attention_sliding_window=False)"
 WINDOW = "sliding-window mask: " + WINDOW_OFF
 
