@@ -298,6 +298,26 @@ def attention_windows_cases(smoke):
             for window, pad, shape, train in rows]
 
 
+def attention_head_dims_cases(smoke):
+    """Head dims other than 64/128/256, a topic of their own, each opt-in (its setting opened here):
+    MLA (DeepSeek-V3's q/k 192, v 128, v padded to 192 for the kernel) with the collator's all-ones
+    attention_mask, where plain compile runs SDPA with the materialized mask; decode steps at head
+    dims 80 and 96 (Phi-2's and Phi-3's), padded to 128 in the decode kernel's registers."""
+    from fusionpass.conformance.cases_attention import DeepseekMLA, StaticCacheDecode
+
+    Shape = _attention_shapes()
+    mla, d80, d96 = (Shape(2, 2, 2, 64, 192), Shape(1, 4, 2, 128, 80, q=1), Shape(1, 4, 4, 128, 96, q=1)) if smoke \
+        else (Shape(2, 16, 16, 4096, 192), Shape(8, 32, 32, 4096, 80, q=1), Shape(8, 32, 32, 4096, 96, q=1))
+    return [
+        *(Case(f"DeepSeek-V3 MLA sdpa causal + ones key padding {mla}", attention_layers(DeepseekMLA, mla, "ones"),
+               train, ("flash_attention",), False, {"attention_mla": True}) for train in (True, False)),
+        *(Case(f"Llama static-cache decode step (sdpa) {s}",
+               attention_layers(StaticCacheDecode, s, impl="sdpa", prompt=s.s - 1), False, ("decode_attention",), False,
+               {"decode_attention_padded_head_dims": True})
+          for s in (d80, d96)),
+    ]
+
+
 def rope_attention_cases(smoke):
     from fusionpass.conformance.cases_attention import Llama
 
@@ -361,6 +381,7 @@ KERNEL_TOPICS = {
     "sdpa_mask": sdpa_mask_cases,
     "flash_attention": flash_attention_cases,
     "attention_windows": attention_windows_cases,
+    "attention_head_dims": attention_head_dims_cases,
     "rope_attention": rope_attention_cases,
     "attention_out_proj": attention_out_proj_cases,
     "swiglu_mlp": swiglu_mlp_cases,
@@ -396,6 +417,9 @@ SMOKE_CONFIG = {
                        vocab_size=256),
     "BloomConfig": dict(hidden_size=128, n_layer=1, n_head=2, vocab_size=256),
     "FalconConfig": dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, vocab_size=256),
+    "ModernBertConfig": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                             vocab_size=256, pad_token_id=0, local_attention=8,
+                             layer_types=["full_attention", "sliding_attention"]),
     "MistralConfig": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
                           num_key_value_heads=1, head_dim=64, vocab_size=256, sliding_window=5),
     "Gemma3TextConfig": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -454,6 +478,9 @@ def model_cases(smoke):
                   hf_model("GPT2Config", causal_lm, "eager", smoke, n_layer=6), True, *shape(16, 1024)),
         ModelCase("BERT-base MLM widths 6L, sdpa", hf_model("BertConfig", mlm, "sdpa", smoke, num_hidden_layers=6),
                   True, *shape(32, 512)),
+        # a band |i - j| <= 64 in two layers of three (local_attention 128), the others global
+        ModelCase("ModernBERT-base MLM widths 8L, sdpa",
+                  hf_model("ModernBertConfig", mlm, "sdpa", smoke, num_hidden_layers=8), True, *shape(32, 512)),
         ModelCase("BLOOM-style 4L h1024 16 heads, ALiBi (eager attention)",
                   hf_model("BloomConfig", causal_lm, "eager", smoke, **alibi, n_layer=4, n_head=16),
                   True, *shape(8, 2048)),

@@ -142,6 +142,35 @@ class Llama(nn.Module):
         return x
 
 
+class DeepseekMLA(nn.Module):
+    """DeepseekV3Attention layers (multi-head latent attention: q/k head dim shape.d = 128 + 64
+    rotary, v head dim 128, keys and values expanded from a 64-wide latent), with its rotary
+    cos/sin and create_causal_mask as DeepseekV3Model calls them."""
+
+    def __init__(self, shape: Shape, impl: str = "sdpa"):
+        super().__init__()
+        import transformers
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as family
+
+        rope = 64
+        self.config = transformers.DeepseekV3Config(
+            hidden_size=64 * shape.hq, num_attention_heads=shape.hq, num_key_value_heads=shape.hkv,
+            kv_lora_rank=64, q_lora_rank=None, qk_nope_head_dim=shape.d - rope, qk_rope_head_dim=rope,
+            v_head_dim=128, max_position_embeddings=4096, attention_dropout=0.0)
+        self.config._attn_implementation = impl
+        self.rotary = family.DeepseekV3RotaryEmbedding(self.config)
+        self.layers = nn.ModuleList(family.DeepseekV3Attention(self.config, i) for i in range(LAYERS))
+
+    def forward(self, x, attention_mask=None):
+        mu = _masking()
+        positions = _positions(x.shape[1], x.device)
+        mask = mu.create_causal_mask(self.config, x, attention_mask, None, position_ids=positions)
+        cos_sin = self.rotary(x, positions)
+        for layer in self.layers:
+            x = x + layer(x, cos_sin, mask)[0]
+        return x
+
+
 class Bert(nn.Module):
     """BertSelfAttention layers, each followed by its output dense (BertSelfOutput without the
     LayerNorm), over create_bidirectional_mask as BertModel calls it."""
@@ -539,6 +568,13 @@ ATTENTION_CASES = [
             _kernel("rope"), [
         (BF16, GP1000, True, "right"), (FP16, GP1000, False, "left"),
     ], impl="sdpa", window=333),
+    # MLA (q/k head dim 192, v 128: v padded to 192 for the kernel, the output cut back) with the
+    # collator's attention_mask (opt-in: attention_mla); the cut output is no head merge for
+    # attention_out_proj
+    *_cases("flash_attention", "causal_kernel_padded", "deepseek-v3-mla-sdpa", DeepseekMLA, _kernel(out_proj=False), [
+        (BF16, Shape(2, 8, 8, 333, 192), True, "ones"), (BF16, Shape(3, 4, 4, 513, 192), True, "left_empty"),
+        (FP16, Shape(2, 8, 8, 77, 192), False, "right"), (FP32, Shape(2, 4, 4, 77, 192), True, "left"),
+    ], {"attention_mla": True}),
     *_cases("flash_attention", "none_kernel_padded", "bert-sdpa", Bert, _kernel(), [
         (BF16, MP513, False, "left"), (FP16, MP77, True, "right"), (FP16, MP1000, False, "ones"),
         (FP32, MP1000, False, "ones"),
@@ -552,6 +588,10 @@ DECODE_CASES = [
         (BF16, Shape(2, 16, 4, 1000, 128, q=1), False, None), (FP16, Shape(3, 8, 8, 513, 64, q=4), False, "left"),
         (BF16, Shape(1, 12, 2, 333, 256, q=16), False, None), (FP32, Shape(1, 12, 2, 333, 256, q=16), False, None),
     ], impl="sdpa", prompt=301),
+    # head dims that are not powers of two (padded in registers; opt-in: decode_attention_padded_head_dims)
+    *_cases("decode_attention", "static_cache", "llama-sdpa", StaticCacheDecode, _decode, [
+        (BF16, Shape(2, 16, 4, 1000, 80, q=1), False, "left"), (FP16, Shape(3, 8, 8, 333, 96, q=4), False, None),
+    ], {"decode_attention_padded_head_dims": True}, impl="sdpa", prompt=301),
     *_cases("decode_attention", "static_cache", "llama-eager", StaticCacheDecode, _decode, [
         (BF16, Shape(3, 8, 2, 513, 64, q=4), False, "left"), (FP16, Shape(1, 16, 4, 1000, 256, q=1), False, None),
         (FP16, Shape(2, 12, 12, 77, 128, q=16), False, "right"), (FP32, Shape(2, 12, 12, 77, 128, q=16), False, "right"),

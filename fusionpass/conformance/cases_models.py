@@ -118,8 +118,8 @@ MODELS = {
 EXPECT: dict[tuple[str, bool], dict[str, int]] = {
     ("bert", False): {'sdpa_mask': 2},
     ("bert", True): {'layer_norm_dropout_residual': 4, 'sdpa_mask': 2},
-    ("modernbert", False): {'sdpa_mask': 1},
-    ("modernbert", True): {'layer_norm_dropout_residual': 4, 'sdpa_mask': 1},
+    ("modernbert", False): {'sdpa_mask': 1, 'flash_attention': 1, 'attention_out_proj': 1},
+    ("modernbert", True): {'layer_norm_dropout_residual': 4, 'sdpa_mask': 1, 'flash_attention': 1, 'attention_out_proj': 1},
     ("bloom", False): {'flash_attention': 2, 'attention_out_proj': 2},
     ("bloom", True): {'layer_norm_dropout_residual': 4, 'flash_attention': 2, 'attention_out_proj': 2},
     ("falcon-alibi", False): {'flash_attention': 2, 'attention_out_proj': 2},

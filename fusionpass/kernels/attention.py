@@ -4,7 +4,7 @@ sliding window, ALiBi, key padding, attention dropout and GQA/MQA, forward and b
 Math (per batch b, query head h, kv head hk = h // (Hq // Hkv); natural-log units)
 -----------------------------------------------------------------------------------------------
     pos_i    = i + shift,  shift = Lk - Lq for align="bottom_right", 0 for "top_left" (SDPA's
-               is_causal); Lk is the key tensor's length, also with kv_lengths
+               is_causal), plus `diagonal`; Lk is the key tensor's length, also with kv_lengths
     s_ij     = scale * q_i . k_j + bias_ij + key_bias[b, h, j],  scale = 1 / sqrt(D) unless given
     bias_ij  = -slope_h * (pos_i - j)        (ALiBi; alibi_symmetric: -slope_h * |pos_i - j|)
     key_bias: a per-key additive bias, as BLOOM, MPT and Falcon pass ALiBi (`slope_h * j` rounded
@@ -97,14 +97,14 @@ from fusionpass.kernels.rng import rng_key
 __all__ = ["EMPTY_LSE", "HEAD_DIMS", "attention_bwd", "attention_dropout_constants", "attention_dropout_mask",
            "attention_fwd"]
 
-HEAD_DIMS = (64, 80, 96, 128, 256)
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 # lse of a query row that sees no key (see the module docstring).
 EMPTY_LSE = 1e30
 _EMPTY = tl.constexpr(EMPTY_LSE)
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_NO_SPEC = ["Lq", "Lk", "window", *_RNG_ARGS]
+_NO_SPEC = ["Lq", "Lk", "window", "diag", *_RNG_ARGS]
 # Keys per Philox call: 4 output words of two 16-bit halves each (see the module docstring).
 _RNG16_GROUP = 8
 
@@ -388,7 +388,7 @@ def _fwd_kernel(
     Q, K, V, O, LSE, SLOPES, KPM, KB, KVLEN, SEED, COS, SIN,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, skpb, skpn,
     skbb, skbh, skbn, scb, sch, scm, scd, ssb, ssh, ssm, ssd,
-    Hq, Lq, Lk, GROUP, num_m, qk_scale, window, drop_scale,
+    Hq, Lq, Lk, GROUP, num_m, qk_scale, window, diag, drop_scale,
     seed_lo, seed_hi, off_lo, off_hi, thr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
@@ -414,7 +414,7 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     row_ok = offs_m < Lq
-    shift = _diagonal_shift(Lq, Lk, BOTTOM_RIGHT)
+    shift = _diagonal_shift(Lq, Lk, BOTTOM_RIGHT) + diag
     pos = offs_m + shift
     row_end = tl.minimum(m0 + BLOCK_M, Lq)
 
@@ -530,7 +530,7 @@ def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, KPM, KB, KVLEN, SEED,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, skpb, skpn, skbb, skbh, skbn,
-    Hq, Hkv, Lq, Lk, GROUP, num_n, sm_scale, window, drop_scale,
+    Hq, Hkv, Lq, Lk, GROUP, num_n, sm_scale, window, diag, drop_scale,
     seed_lo, seed_hi, off_lo, off_hi, thr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
@@ -552,7 +552,7 @@ def _bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    shift = _diagonal_shift(Lq, Lk, BOTTOM_RIGHT)
+    shift = _diagonal_shift(Lq, Lk, BOTTOM_RIGHT) + diag
     b64 = b.to(tl.int64)
     hk64 = hk.to(tl.int64)
     kv_mask = (cols < Lk)[:, None] & d_ok[None, :]
@@ -637,7 +637,7 @@ def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, SLOPES, KPM, KB, KVLEN, SEED,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
     sdqb, sdqh, sdqm, sdqd, skpb, skpn, skbb, skbh, skbn,
-    Hq, Lq, Lk, GROUP, num_m, sm_scale, window, drop_scale,
+    Hq, Lq, Lk, GROUP, num_m, sm_scale, window, diag, drop_scale,
     seed_lo, seed_hi, off_lo, off_hi, thr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
@@ -662,7 +662,7 @@ def _bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     row_ok = offs_m < Lq
-    shift = _diagonal_shift(Lq, Lk, BOTTOM_RIGHT)
+    shift = _diagonal_shift(Lq, Lk, BOTTOM_RIGHT) + diag
     pos = offs_m + shift
     row_end = tl.minimum(m0 + BLOCK_M, Lq)
     b64 = b.to(tl.int64)
@@ -711,15 +711,19 @@ class _Opts:
     """Checked options shared by the forward and the backward (attributes set by `_options`)."""
 
 
-def check_qkv(q, k, v, head_dims=HEAD_DIMS) -> tuple[int, int, int, int, int, int]:
+def check_qkv(q, k, v, head_dims=HEAD_DIMS, value_dims=None) -> tuple[int, int, int, int, int, int]:
     """(B, Hq, Hkv, Lq, Lk, D) of q [B, Hq, Lq, D] and k = v [B, Hkv, Lk, D] with Hq % Hkv == 0,
     one dtype of fp16/bf16/fp32, one device and D in `head_dims`; ValueError otherwise. The
-    prefill and decode kernels share it."""
+    prefill and decode kernels share it. With `value_dims`, v [B, Hkv, Lk, Dv] may have its own
+    head dim Dv in value_dims (MLA's 192 / 128)."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, H, L, D]")
     B, Hq, Lq, D = q.shape
-    if k.shape != v.shape:
+    if value_dims is not None and k.shape[:3] == v.shape[:3]:
+        if v.shape[3] not in value_dims:
+            raise ValueError(f"value head dim {v.shape[3]} not supported (supported: {value_dims})")
+    elif k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in batch or head dim")
@@ -738,7 +742,7 @@ def check_qkv(q, k, v, head_dims=HEAD_DIMS) -> tuple[int, int, int, int, int, in
 
 
 def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias, kv_lengths,
-             dropout_p, seed, offset, align) -> _Opts:
+             dropout_p, seed, offset, align, diagonal=0) -> _Opts:
     B, Hq, Hkv, Lq, Lk, D = check_qkv(q, k, v)
     dev = q.device
     o = _Opts()
@@ -754,6 +758,9 @@ def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_
     if align not in ("top_left", "bottom_right"):
         raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
     o.bottom_right = align == "bottom_right"
+    if isinstance(diagonal, bool) or not isinstance(diagonal, int) or (diagonal and not o.causal):
+        raise ValueError(f"diagonal must be an int, and other than 0 only with causal=True, got {diagonal!r}")
+    o.diag = diagonal
     if alibi_slopes is not None:
         if alibi_slopes.shape != (Hq,) or not alibi_slopes.is_floating_point() or alibi_slopes.device != dev:
             raise ValueError(f"alibi_slopes must be a float tensor of shape [{Hq}] on the inputs' device")
@@ -846,6 +853,7 @@ def attention_fwd(
     seed: int | torch.Tensor | None = None,
     offset: int = 0,
     align: str = "top_left",
+    diagonal: int = 0,
     out: torch.Tensor | None = None,
     rope: tuple | None = None,
     block_m: int | None = None,
@@ -862,7 +870,9 @@ def attention_fwd(
     keep) and/or `kv_lengths` [B] int32 (keys >= length are masked). `key_bias`: float, broadcastable
     as [B, Hq, Lk], any strides (no gradient is computed for it). `dropout_p` > 0 needs `seed`
     (int, or a one-element int64 tensor on the inputs' device) and takes `offset`. `align`:
-    "top_left" (pos_i = i, SDPA's is_causal) or "bottom_right" (pos_i = i + Lk - Lq).
+    "top_left" (pos_i = i, SDPA's is_causal) or "bottom_right" (pos_i = i + Lk - Lq); `diagonal`
+    (with causal) moves the diagonal by that many keys more (pos_i = i + diagonal top-left): with
+    a window of 2w + 1 and diagonal w, a bidirectional band |i - j| <= w (ModernBERT's local layers).
     out: [B, Hq, Lq, D] in q's dtype, contiguous, or written into `out` (any [B, Hq, Lq, D] view of
     q's dtype, e.g. a transpose of a [B, Lq, Hq, D] buffer). lse: [B, Hq, Lq] fp32, natural log of
     the softmax denominator of the scaled, biased scores; EMPTY_LSE for rows that see no key.
@@ -873,7 +883,7 @@ def attention_fwd(
     depend on them beyond fp32 summation order.
     """
     o = _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias,
-                 kv_lengths, dropout_p, seed, offset, align)
+                 kv_lengths, dropout_p, seed, offset, align, diagonal)
     B, Hq, Lq, D = o.B, o.Hq, o.Lq, o.D
     if out is None:
         out = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device)
@@ -894,7 +904,7 @@ def attention_fwd(
         launcher(_fwd_kernel, q)[(num_m * B * Hq,)](
             q, k, v, out, lse, *ptrs, *rope_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *aux_strides, *rope_strides,
-            Hq, Lq, o.Lk, o.group, num_m, o.scale, o.window or 0, float(drop_scale),
+            Hq, Lq, o.Lk, o.group, num_m, o.scale, o.window or 0, o.diag, float(drop_scale),
             lo, hi, olo, ohi, thr,
             **_flags(o), **rope_flags, BLOCK_M=bm, BLOCK_N=bn,
             num_warps=num_warps or warps, num_stages=num_stages or _stages(stages, q))
@@ -921,6 +931,7 @@ def attention_bwd(
     seed: int | torch.Tensor | None = None,
     offset: int = 0,
     align: str = "top_left",
+    diagonal: int = 0,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -937,7 +948,7 @@ def attention_bwd(
     (dq_block_m query rows per program, dq_block_n keys per step; defaults _DQ_CFG).
     """
     o = _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias,
-                 kv_lengths, dropout_p, seed, offset, align)
+                 kv_lengths, dropout_p, seed, offset, align, diagonal)
     B, Hq, Hkv, Lq, Lk, D = o.B, o.Hq, o.Hkv, o.Lq, o.Lk, o.D
     for t, name in ((do, "do"), (out, "out")):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
@@ -969,7 +980,7 @@ def attention_bwd(
         launcher(_bwd_dkdv_kernel, q)[(num_n * B * Hkv,)](
             q, k, v, do, lse, delta, dk, dv, *ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *aux_strides,
-            Hq, Hkv, Lq, Lk, o.group, num_n, o.scale, o.window or 0, float(drop_scale), *rng,
+            Hq, Hkv, Lq, Lk, o.group, num_n, o.scale, o.window or 0, o.diag, float(drop_scale), *rng,
             **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps or warps, num_stages=num_stages or _stages(stages, q))
 
         bm, bn, warps, stages = _DQ_CFG[pad_d]
@@ -979,7 +990,7 @@ def attention_bwd(
         launcher(_bwd_dq_kernel, q)[(num_m * B * Hq,)](
             q, k, v, do, lse, delta, dq, *ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *aux_strides,
-            Hq, Lq, Lk, o.group, num_m, o.scale, o.window or 0, float(drop_scale), *rng,
+            Hq, Lq, Lk, o.group, num_m, o.scale, o.window or 0, o.diag, float(drop_scale), *rng,
             **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=dq_num_warps or warps,
             num_stages=dq_num_stages or _stages(stages, q))
     return dq, dk, dv

@@ -49,11 +49,13 @@ grids, num_splits and the chunk depend only on the shapes (B, Hkv, L, Lq, GROUP,
 count. kv_lengths and key_padding are read only inside the kernels, so one captured graph serves
 every step of a static cache whose lengths and padding change in place.
 
-Layouts: q [B, Hq, Lq, D] and k, v [B, Hkv, L, D], each with any strides (the [B, L, Hkv, D]
+Layouts: q [B, Hq, Lq, D], k [B, Hkv, L, D] and v [B, Hkv, L, Dv] (Dv = D but for MLA's 192 / 128;
+a head dim that is not a power of two is padded to one in registers, masked on load and store),
+each with any strides (the [B, L, Hkv, D]
 cache layout passed as `.transpose(1, 2)` needs no copy); key_padding [B, L] bool, any strides,
 passed to Triton as is (an i1 pointer: no dtype view, which would break Inductor's lowering of a
-triton_op). Partials: [B, Hq, Lq, num_splits, D] and
-[B, Hq, Lq, num_splits] fp32, contiguous. out: [B, Hq, Lq, D] contiguous, q's dtype.
+triton_op). Partials: [B, Hq, Lq, num_splits, Dv] and
+[B, Hq, Lq, num_splits] fp32, contiguous. out: [B, Hq, Lq, Dv] contiguous, q's dtype.
 
 Both kernels run compiled on CUDA and unchanged under TRITON_INTERPRET=1 on CPU tensors (there,
 tiles are converted to fp32 after each load and rounding to bf16 is done explicitly; see
@@ -77,11 +79,14 @@ from fusionpass.kernels.launch import absent, launcher
 
 __all__ = ["HEAD_DIMS", "MAX_Q_LEN", "decode_attention", "default_num_splits"]
 
-HEAD_DIMS = (64, 128, 256)
+# q/k and v head dims, any pair (MLA: 192 / 128); dims that are not powers of two are padded
+# in registers and masked on load and store
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 MAX_Q_LEN = 16
 _LOG2E = tl.constexpr(1.4426950408889634)
 
-# Launch defaults by head dim: (BLOCK_N keys per step, num_warps, num_stages) of the split kernel.
+# Launch defaults by the larger padded head dim: (BLOCK_N keys per step, num_warps, num_stages) of
+# the split kernel.
 # First guesses, not tuned (benchmarks/probes/decode_attention_kernel.py, in git history as of 67836ab, sweeps them).
 _CFG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}
 _COMBINE_WARPS = 4
@@ -98,18 +103,21 @@ _CPU_SMS = 132            # SM count assumed off CUDA (an H100/H200), so CPU run
 # --------------------------------------------------------------------------------------------------
 @triton.jit
 def _steps(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, kp_base, skpl, start, end, pos, slope2,
-           offs_n, offs_d, kv_end, qk_scale,
+           offs_n, offs_dk, offs_dv, kv_end, qk_scale,
            ALIBI: tl.constexpr, MASKED: tl.constexpr, HAS_KPM: tl.constexpr, DT: tl.constexpr,
-           INTERP: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+           INTERP: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+           DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Online softmax over the keys [start, end) in BLOCK_N steps (start a multiple of BLOCK_N).
     K/V tiles come from attention.py's _load_kv: keys at or past kv_end read as 0 in MASKED blocks
-    (a static cache's padding may hold NaN), D a power of two (no head-dim mask)."""
-    d_ok = offs_d >= 0
+    (a static cache's padding may hold NaN), and the head dims padded to a power of two read as 0."""
+    dk_ok = offs_dk < DK
+    dv_ok = offs_dv < DV
     # rows may see nothing yet (all keys so far masked or padded): see _softmax_step
     GUARD: tl.constexpr = MASKED or HAS_KPM
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        k = _load_kv(k_base + cols[:, None] * skn + offs_d[None, :] * skd, cols, kv_end, d_ok, MASKED, True, INTERP)
+        k = _load_kv(k_base + cols[:, None] * skn + offs_dk[None, :] * skd, cols, kv_end, dk_ok, MASKED,
+                     DK == BLOCK_DK, INTERP)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if ALIBI:
             s = s - slope2[:, None] * (pos[:, None] - cols[None, :]).to(tl.float32)
@@ -128,7 +136,8 @@ def _steps(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, kp_base, skpl, 
         elif HAS_KPM:
             s = tl.where(keep[None, :], s, float("-inf"))
         p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, GUARD)
-        v = _load_kv(v_base + cols[:, None] * svn + offs_d[None, :] * svd, cols, kv_end, d_ok, MASKED, True, INTERP)
+        v = _load_kv(v_base + cols[:, None] * svn + offs_dv[None, :] * svd, cols, kv_end, dv_ok, MASKED,
+                     DV == BLOCK_DV, INTERP)
         acc = acc * alpha[:, None] + tl.dot(_mm_operand(p, DT, INTERP), v, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -139,7 +148,8 @@ def _split_kernel(
     Q, K, V, OP, LSEP, KVLEN, SLOPES, KPM,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, skpb, skpl,
     Hkv, L, chunk, num_splits, row_blocks, qk_scale,
-    GROUP: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, LQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIBI: tl.constexpr, HAS_KPM: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
 ):
     DT: tl.constexpr = Q.dtype.element_ty
@@ -159,13 +169,14 @@ def _split_kernel(
     h = hk * GROUP + rows // LQ
     qi = rows % LQ
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
     kv_end = tl.maximum(tl.minimum(tl.load(KVLEN + b), L), 0).to(tl.int32)
     pos = kv_end - LQ + qi
 
     b64 = b.to(tl.int64)
-    q = tl.load(Q + b64 * sqb + h[:, None].to(tl.int64) * sqh + qi[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + b64 * sqb + h[:, None].to(tl.int64) * sqh + qi[:, None] * sqm + offs_dk[None, :] * sqd,
+                mask=row_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     if INTERP:
         q = q.to(tl.float32)
     k_base = K + b64 * skb + hk.to(tl.int64) * skh
@@ -182,15 +193,15 @@ def _split_kernel(
     hi = tl.minimum(lo + chunk, kv_end)
     full = tl.maximum(kv_end - LQ + 1, 0) // BLOCK_N * BLOCK_N
     mid = tl.maximum(tl.minimum(full, hi), lo)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _steps(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, kp_base, skpl, lo, mid,
-                           pos, slope2, offs_n, offs_d, kv_end, qk_scale,
-                           ALIBI, False, HAS_KPM, DT, INTERP, PREC, BLOCK_N)
+                           pos, slope2, offs_n, offs_dk, offs_dv, kv_end, qk_scale,
+                           ALIBI, False, HAS_KPM, DT, INTERP, PREC, BLOCK_N, DK, DV, BLOCK_DK, BLOCK_DV)
     acc, l_i, m_i = _steps(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, kp_base, skpl, mid, hi,
-                           pos, slope2, offs_n, offs_d, kv_end, qk_scale,
-                           ALIBI, True, HAS_KPM, DT, INTERP, PREC, BLOCK_N)
+                           pos, slope2, offs_n, offs_dk, offs_dv, kv_end, qk_scale,
+                           ALIBI, True, HAS_KPM, DT, INTERP, PREC, BLOCK_N, DK, DV, BLOCK_DK, BLOCK_DV)
 
     # (a row with a visible key has l >= 1: its maximum contributes exp2(0)); a row whose keys in
     # this split are all masked or padded has l = 0, acc = 0: it stores o = 0, lse = -inf
@@ -201,14 +212,16 @@ def _split_kernel(
     # row (b * Hq + h) * LQ + qi of the [B, Hq, LQ] rows; a split past the valid length stores nothing
     grow = bhk.to(tl.int64) * ROWS + rows
     ok = row_ok & (lo < kv_end)
-    tl.store(OP + (grow * num_splits + split)[:, None] * D + offs_d[None, :], o, mask=ok[:, None])
+    tl.store(OP + (grow * num_splits + split)[:, None] * DV + offs_dv[None, :], o,
+             mask=ok[:, None] & (offs_dv < DV)[None, :])
     tl.store(LSEP + grow * num_splits + split, lse2, mask=ok)
 
 
 @triton.jit(do_not_specialize=["L", "chunk"])
 def _combine_kernel(
     OP, LSEP, O, KVLEN, Hq, L, chunk, num_splits,
-    LQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_TILE: tl.constexpr, INTERP: tl.constexpr,
+    LQ: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_TILE: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     row = tl.program_id(0)  # (b * Hq + h) * LQ + i
     b = row // (Hq * LQ)
@@ -223,17 +236,18 @@ def _combine_kernel(
     den = tl.sum(tl.math.exp2(lse - m_use), 0)
 
     offs_t = tl.arange(0, SPLIT_TILE)
-    offs_d = tl.arange(0, D)
-    acc = tl.zeros([D], dtype=tl.float32)
+    offs_d = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < DV
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
     for s0 in range(0, n_act, SPLIT_TILE):
         s = s0 + offs_t
         s_ok = s < n_act
         w = tl.math.exp2(tl.load(LSEP + base + s, mask=s_ok, other=float("-inf")) - m_use)
-        o = tl.load(OP + (base + s)[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        o = tl.load(OP + (base + s)[:, None] * DV + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(w[:, None] * o, 0)
     out = acc / tl.where(den > 0.0, den, 1.0)  # den = 0: every split empty, acc = 0
     OUT_DT: tl.constexpr = O.dtype.element_ty
-    tl.store(O + row.to(tl.int64) * D + offs_d, _for_store(out, OUT_DT, INTERP))
+    tl.store(O + row.to(tl.int64) * DV + offs_d, _for_store(out, OUT_DT, INTERP), mask=d_ok)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -266,7 +280,7 @@ def default_num_splits(B: int, Hkv: int, L: int, block_n: int, sms: int, row_blo
 
 
 def _check(q, k, v, kv_lengths, alibi_slopes, key_padding):
-    B, Hq, _, Lq, L, _ = check_qkv(q, k, v, HEAD_DIMS)
+    B, Hq, _, Lq, L, _ = check_qkv(q, k, v, HEAD_DIMS, value_dims=HEAD_DIMS)
     if not 1 <= Lq <= MAX_Q_LEN:
         raise ValueError(f"query length {Lq} not supported (1..{MAX_Q_LEN}; use attention_fwd for prefill)")
     dev = q.device
@@ -321,19 +335,21 @@ def decode_attention(
     bias -slope_h * (pos_i - j). key_padding: bool [B, L] on the inputs' device, any strides, True =
     key j may be attended (ANDed with the causal/length rule; e.g. a generate() attention_mask
     padded to L, left padding included); padded keys below kv_lengths must hold finite k/v.
-    Returns [B, Hq, Lq, D] contiguous in q's dtype; rows that see no key are 0. num_splits: key splits (default `default_num_splits`, fixed by the shapes);
+    v may have its own head dim Dv in HEAD_DIMS (MLA). Returns [B, Hq, Lq, Dv] contiguous in q's dtype;
+    rows that see no key are 0. num_splits: key splits (default `default_num_splits`, fixed by the shapes);
     block_n / num_warps / num_stages override the split kernel's launch defaults (_CFG). Results
     do not depend on them beyond fp32 summation order.
     """
     _check(q, k, v, kv_lengths, alibi_slopes, key_padding)
     B, Hq, Lq, D = q.shape
-    Hkv, L = k.shape[1], k.shape[2]
+    Hkv, L, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = Hq // Hkv
-    bn, warps, stages = _CFG[D]
+    block_dk, block_dv = triton.next_power_of_2(D), triton.next_power_of_2(Dv)
+    bn, warps, stages = _CFG[max(block_dk, block_dv)]
     bn = _positive(block_n, bn, "block_n", power_of_two=True)
     warps = _positive(num_warps, warps, "num_warps")
     stages = _positive(num_stages, stages, "num_stages")
-    out = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device)
+    out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
     if B * Hq == 0 or L == 0:
         return out.zero_()
     rows = group * Lq
@@ -350,7 +366,7 @@ def decode_attention(
     # the bool tensor goes to Triton as is (*i1); without it, any pointer stands in (never read)
     kpm = key_padding if key_padding is not None else absent(kv_lengths)
     skpb, skpl = key_padding.stride() if key_padding is not None else (0, 0)
-    o_part = torch.empty((B, Hq, Lq, num_splits, D), dtype=torch.float32, device=q.device)
+    o_part = torch.empty((B, Hq, Lq, num_splits, Dv), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, Hq, Lq, num_splits), dtype=torch.float32, device=q.device)
     interp = q.device.type != "cuda"
     with _device_guard(q.device):
@@ -358,11 +374,13 @@ def decode_attention(
             q, k, v, o_part, lse_part, kv_lengths, slopes if slopes is not None else absent(o_part), kpm,
             *q.stride(), *k.stride(), *v.stride(), skpb, skpl,
             Hkv, L, chunk, num_splits, row_blocks, scale,
-            GROUP=group, LQ=Lq, D=D, BLOCK_M=block_m, BLOCK_N=bn, ALIBI=slopes is not None,
+            GROUP=group, LQ=Lq, DK=D, DV=Dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_M=block_m,
+            BLOCK_N=bn, ALIBI=slopes is not None,
             HAS_KPM=key_padding is not None, INTERP=interp, PREC="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=warps, num_stages=stages)
         launcher(_combine_kernel, q)[(B * Hq * Lq,)](
             o_part, lse_part, out, kv_lengths, Hq, L, chunk, num_splits,
-            LQ=Lq, D=D, BLOCK_S=triton.next_power_of_2(num_splits), SPLIT_TILE=_SPLIT_TILE, INTERP=interp,
+            LQ=Lq, DV=Dv, BLOCK_DV=block_dv, BLOCK_S=triton.next_power_of_2(num_splits), SPLIT_TILE=_SPLIT_TILE,
+            INTERP=interp,
             num_warps=_COMBINE_WARPS)
     return out

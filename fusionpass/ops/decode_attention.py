@@ -3,10 +3,10 @@
 
     out = decode_attention(q, k, v, kv_lengths, key_padding, scale)
 
-q [B, Hq, Lq, D] (Lq <= 16), k/v [B, Hkv, L, D] (the cache, any strides, Hq % Hkv == 0, read
-without repeat), kv_lengths [B] int32 (None: all L): valid keys per batch row; query i sits at position
-kv_lengths[b] - Lq + i and sees the keys at or before it that key_padding ([B, L] bool, or None)
-keeps (fusionpass/kernels/decode_attention.py).
+q [B, Hq, Lq, D] (Lq <= 16), k [B, Hkv, L, D] and v [B, Hkv, L, Dv] (the cache, any strides,
+Hq % Hkv == 0, read without repeat; Dv = D but for MLA), kv_lengths [B] int32 (None: all L):
+valid keys per batch row; query i sits at position kv_lengths[b] - Lq + i and sees the keys at or
+before it that key_padding ([B, L] bool, or None) keeps (fusionpass/kernels/decode_attention.py).
 On CPU: the kernel under TRITON_INTERPRET=1 (tests), else a torch reference with the same mask.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _host(
 
 @_host.register_fake
 def _(q, k, v, kv_lengths, key_padding, scale):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return torch.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype, device=q.device)
 
 
 @torch.library.triton_op("fusionpass::decode_attention", mutates_args=())

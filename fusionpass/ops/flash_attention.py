@@ -3,7 +3,7 @@ custom ops (CPU), autograd.
 
     out, lse = flash_attention(q, k, v, key_padding=None, key_bias=None, seed=None,
                                rope_cos=None, rope_sin=None, *, scale, causal=False, window=0,
-                               align_bottom_right=False, dropout_p=0.0, token_major=False,
+                               align_bottom_right=False, diagonal=0, dropout_p=0.0, token_major=False,
                                rope_form="", rotary_dim=0)
 
 The rewrites pass every argument past q, k and v by name, and those that edit a call
@@ -15,6 +15,8 @@ q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (GQA/MQA: Hq % Hkv == 0, read without repe
 [B, Lk] bool (True = keep) or None, key_bias [B, Hq, Lk] float added to every query row's
 scores (BLOOM's ALiBi tensor; no gradient) or None, window 0 = none (else key j is visible to query i iff
 pos_i - window < j <= pos_i, with causal), align_bottom_right: pos_i = i + Lk - Lq (else i),
+diagonal: pos_i moved by that many keys more (with causal; ModernBERT's band |i - j| <= w is
+window 2w + 1 at diagonal w),
 dropout_p > 0 needs `seed` (a one-element int64 tensor). The math, the RNG and the rows that see
 no key (out 0, lse EMPTY_LSE) are those of fusionpass/kernels/attention.py.
 
@@ -55,7 +57,7 @@ from fusionpass.ops import host
 CPU_BLOCKS: dict[str, int] = {}
 
 
-def _options(key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed) -> dict:
+def _options(key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed) -> dict:
     return dict(
         causal=causal,
         scale=scale,
@@ -65,6 +67,7 @@ def _options(key_padding, key_bias, scale, causal, window, align_bottom_right, d
         dropout_p=dropout_p,
         seed=seed if dropout_p > 0 else None,
         align="bottom_right" if align_bottom_right else "top_left",
+        diagonal=diagonal,
     )
 
 
@@ -94,22 +97,22 @@ def _rope(rope_cos, rope_sin, rope_form, rotary_dim):
     return None if rope_cos is None else (rope_cos, rope_sin, rope_form, rotary_dim)
 
 
-def _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed,
-                    token_major=False, rope=None, blocks=None):
+def _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p,
+                    seed, token_major=False, rope=None, blocks=None):
     from fusionpass.kernels.attention import attention_fwd
 
-    opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
+    opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed)
     blocks = {k_: v_ for k_, v_ in (blocks or {}).items() if k_ in ("block_m", "block_n")}
     # the kernel writes any [B, Hq, Lq, D] view: token-major output costs nothing extra
     out = token_major_empty(q) if token_major else None
     return attention_fwd(q, k, v, **opts, out=out, rope=rope, **blocks)
 
 
-def _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
+def _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
                      dropout_p, seed, blocks=None):
     from fusionpass.kernels.attention import attention_bwd
 
-    opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
+    opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed)
     return attention_bwd(do, q, k, v, out, lse, **opts, **(blocks or {}))
 
 
@@ -117,9 +120,9 @@ def _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal
 # torch reference (CPU without the interpreter)
 
 
-def visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, device) -> Tensor:
+def visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, device, diagonal=0) -> Tensor:
     """The boolean mask [B, 1, Lq, Lk] the kernels apply (True = key visible)."""
-    pos = torch.arange(Lq, device=device)[:, None] + (Lk - Lq if align_bottom_right else 0)
+    pos = torch.arange(Lq, device=device)[:, None] + (Lk - Lq if align_bottom_right else 0) + diagonal
     j = torch.arange(Lk, device=device)[None, :]
     vis = torch.ones(Lq, Lk, dtype=torch.bool, device=device)
     if causal:
@@ -132,7 +135,7 @@ def visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, device) 
     return vis
 
 
-def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed):
+def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed):
     from fusionpass.kernels.attention import EMPTY_LSE, attention_dropout_constants
     from fusionpass.ops.layer_norm import philox_keep16
 
@@ -144,7 +147,7 @@ def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bott
     s = (q.float() @ kf.transpose(-1, -2)) * (D**-0.5 if scale is None else scale)
     if key_bias is not None:
         s = s + key_bias.float().expand(B, Hq, Lk)[:, :, None, :]
-    vis = visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, q.device)
+    vis = visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, q.device, diagonal)
     s = s.masked_fill(~vis, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     empty = torch.isneginf(lse)
@@ -159,12 +162,12 @@ def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bott
 
 
 def _reference_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
-                        dropout_p, seed):
+                        diagonal, dropout_p, seed):
     # torch.func.vjp, not torch.autograd: this runs inside a custom op's implementation, below the
     # autograd dispatch key, where enable_grad() records nothing
     def forward(q_, k_, v_):
-        return _reference(q_, k_, v_, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p,
-                          seed)[0]
+        return _reference(q_, k_, v_, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
+                          dropout_p, seed)[0]
 
     _, vjp = torch.func.vjp(forward, q, k, v)
     return vjp(do.to(q.dtype))
@@ -178,10 +181,10 @@ def _reference_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, cau
 def _forward_host(
     q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None = None, key_bias: Tensor | None = None,
     seed: Tensor | None = None, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None, *, scale: float,
-    causal: bool = False, window: int = 0, align_bottom_right: bool = False, dropout_p: float = 0.0,
-    token_major: bool = False, rope_form: str = "", rotary_dim: int = 0,
+    causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
+    dropout_p: float = 0.0, token_major: bool = False, rope_form: str = "", rotary_dim: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    args = (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
+    args = (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed)
     rope = _rope(rope_cos, rope_sin, rope_form, rotary_dim)
     if host.interpreting():
         out, lse = _kernel_forward(*args, token_major=token_major, rope=rope, blocks=CPU_BLOCKS)
@@ -205,9 +208,10 @@ def _(q, k, v, *_tensors, token_major=False, **_options):
 def _backward_host(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None = None,
     key_bias: Tensor | None = None, seed: Tensor | None = None, *, scale: float, causal: bool = False,
-    window: int = 0, align_bottom_right: bool = False, dropout_p: float = 0.0,
+    window: int = 0, align_bottom_right: bool = False, diagonal: int = 0, dropout_p: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    args = (do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p, seed)
+    args = (do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
+            dropout_p, seed)
     if host.interpreting():
         dq, dk, dv = _kernel_backward(*args, blocks=CPU_BLOCKS)
     else:
@@ -228,31 +232,32 @@ def _(do, q, k, v, out, lse, *_tensors, **_options):
 def flash_attention(
     q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None = None, key_bias: Tensor | None = None,
     seed: Tensor | None = None, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None, *, scale: float,
-    causal: bool = False, window: int = 0, align_bottom_right: bool = False, dropout_p: float = 0.0,
-    token_major: bool = False, rope_form: str = "", rotary_dim: int = 0,
+    causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
+    dropout_p: float = 0.0, token_major: bool = False, rope_form: str = "", rotary_dim: int = 0,
 ) -> tuple[Tensor, Tensor]:
     _check(q, k, v, dropout_p, seed, window, causal)
     options = dict(scale=scale, key_padding=key_padding, key_bias=key_bias, causal=causal, window=window,
-                   align_bottom_right=align_bottom_right, dropout_p=dropout_p, seed=seed)
+                   align_bottom_right=align_bottom_right, diagonal=diagonal, dropout_p=dropout_p, seed=seed)
     rope = dict(rope_cos=rope_cos, rope_sin=rope_sin, rope_form=rope_form, rotary_dim=rotary_dim)
     if q.device.type != "cuda":
         return _forward_host(q, k, v, **options, token_major=token_major, **rope)
-    return _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, dropout_p,
-                           seed, token_major=token_major, rope=_rope(rope_cos, rope_sin, rope_form, rotary_dim))
+    return _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
+                           dropout_p, seed, token_major=token_major,
+                           rope=_rope(rope_cos, rope_sin, rope_form, rotary_dim))
 
 
 @torch.library.triton_op("fusionpass::flash_attention_backward", mutates_args=())
 def flash_attention_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None = None,
     key_bias: Tensor | None = None, seed: Tensor | None = None, *, scale: float, causal: bool = False,
-    window: int = 0, align_bottom_right: bool = False, dropout_p: float = 0.0,
+    window: int = 0, align_bottom_right: bool = False, diagonal: int = 0, dropout_p: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if do.device.type != "cuda":
         return _backward_host(do, q, k, v, out, lse, scale=scale, key_padding=key_padding, key_bias=key_bias,
                               causal=causal, window=window, align_bottom_right=align_bottom_right,
-                              dropout_p=dropout_p, seed=seed)
+                              diagonal=diagonal, dropout_p=dropout_p, seed=seed)
     return _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
-                            dropout_p, seed)
+                            diagonal, dropout_p, seed)
 
 
 def _setup(ctx, inputs, keyword_only_inputs, output):
@@ -263,7 +268,8 @@ def _setup(ctx, inputs, keyword_only_inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin)
     kw = keyword_only_inputs
-    ctx.flags = {n: kw[n] for n in ("scale", "causal", "window", "align_bottom_right", "dropout_p") if n in kw}
+    ctx.flags = {n: kw[n] for n in ("scale", "causal", "window", "align_bottom_right", "diagonal", "dropout_p")
+                 if n in kw}
     ctx.rope = (kw.get("rope_form", ""), kw.get("rotary_dim", 0))
     ctx.set_materialize_grads(False)
 

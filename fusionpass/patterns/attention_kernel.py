@@ -67,13 +67,14 @@ def kernel_dtypes(m: Match, cfg) -> str | None:
 
 
 def kernel_shapes(m: Match, cfg) -> str | None:
-    """q [B, Hq, Lq, D], k = v [B, Hkv, Lk, D], Hq % Hkv == 0, statically."""
+    """q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], Hq % Hkv == 0, statically. Dv is
+    D but for MLA (DeepSeek's q/k 192, v 128): each route's head-dim guard says which it takes."""
     b = m.bindings
     q, k, v = (g.tensor(n) for n in (b["args"]["query"], b["key"], b["value"]))
     if any(t is None or t.dim() != 4 for t in (q, k, v)):
         return "q/k/v are not all 4-D [B, H, L, D]"
     hq, hkv = g.static_int(q.shape[1]), g.static_int(k.shape[1])
-    same = all(statically_known_true(a == c) for a, c in zip(k.shape, v.shape))
+    same = all(statically_known_true(a == c) for a, c in zip(k.shape[:3], v.shape[:3]))
     if not same or not statically_known_true(q.shape[0] == k.shape[0]) or not statically_known_true(
         q.shape[3] == k.shape[3]
     ):

@@ -22,12 +22,14 @@ With an attention_mask (generate() passes one), the mask is also AND-ed with a l
 that tensor goes to the kernel as its key-padding vector. With one query token, any boolean mask
 of shape [B or 1, 1, 1, L] is a key-padding vector as it stands: generate() with a compiled
 forward passes the mask it built outside the graph, and that is matched as such
-("one_query_any_mask"; a row that sees no key gives 0, where SDPA would give NaN). Matched only in inference graphs (no
-gradient), for head dims 64/128/256, Lq within QUERY, one float dtype. A mask with other terms (sliding
-windows, several padding tensors) is a near miss with its reason.
+("one_query_any_mask"; a row that sees no key gives 0, where SDPA would give NaN). Matched only in
+inference graphs (no gradient), for head dims 64/128/256 (80, 96 and MLA's 192 / 128 with
+decode_attention_padded_head_dims), Lq within QUERY, one float dtype. A mask with other terms
+(sliding windows, several padding tensors) is a near miss with its reason.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -42,7 +44,7 @@ from fusionpass.patterns import graph as g
 from fusionpass.patterns import masks
 from fusionpass.patterns.attention_kernel import key_padding_vector, kernel_dtypes, kernel_shapes
 from fusionpass.patterns.sdpa import grouped_kv, is_sdpa, query_device, repeat_kv_nodes, sdpa_arguments
-from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant
+from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
 
 # Which attention steps are decode steps: at most the decode kernel's query length (its hard
 # limit); longer ones (prefill, training) are the attention fusion's.
@@ -292,10 +294,30 @@ def constants(m: Match, cfg) -> str | None:
 
 
 def head_dim(m: Match, cfg) -> str | None:
-    d = g.static_int(g.tensor(m.bindings["args"]["query"]).shape[3])
-    if d not in HEAD_DIMS:
-        return f"head dim {d} not in the decode kernel's {HEAD_DIMS}"
+    """q/k and v head dims in HEAD_DIMS, v's its own for MLA (the kernel takes them apart); other
+    than 64/128/256 only with decode_attention_padded_head_dims."""
+    for what, n in (("head dim", m.bindings["args"]["query"]), ("value head dim", m.bindings["value"])):
+        d = g.static_int(g.tensor(n).shape[3])
+        if d not in HEAD_DIMS:
+            return f"{what} {d} not in the decode kernel's {HEAD_DIMS}"
+        if d not in SELECTED_HEAD_DIMS and not cfg.decode_attention_padded_head_dims:
+            return f"{what} {d}: {PADDED_OPT_IN}"
     return None
+
+
+# 80 and 96 measured no faster than plain compile (benchmarks/results/latest/attention_head_dims.md);
+# MLA's 192 / 128 was not measured
+SELECTED_HEAD_DIMS = (64, 128, 256)
+PADDED_OPT_IN = ("decode steps at head dims other than 64/128/256 measured no faster than plain compile or "
+                 "were not measured (benchmarks/results/latest/attention_head_dims.md), opt-in "
+                 "(decode_attention_padded_head_dims=True)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    # Off by default: see SELECTED_HEAD_DIMS
+    padded_head_dims: bool = option(False, "decode steps at head dims 80, 96 and 192 (MLA: q/k 192 with v 128) "
+                                           "-> fusionpass::decode_attention")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +370,7 @@ DECODE_ATTENTION = registry.register(
         summary='static-cache decode attention (a few new tokens) to a split-KV kernel',
         after=("rope",),
         cost=(QUERY,),
+        options=Options,
         matches=(
             "SDPA or eager-math attention (matmul, additive mask, softmax, matmul) of a few "
             "query tokens over a static KV cache with transformers' decode mask "
@@ -356,7 +379,8 @@ DECODE_ATTENTION = registry.register(
             "copies or enable_gqa"
         ),
         selected_when=(
-            "inference graphs with a static query length, head dim 64/128/256, one float "
+            "inference graphs with a static query length, head dim 64/128/256 (80/96/192, and MLA's v head "
+            "dim of its own, with decode_attention_padded_head_dims=True), one float "
             "dtype, fp16/bf16 on CUDA (fp32 is a near miss there: attention_kernel.kernel_dtypes); the causal "
             "term with at most one key-padding lookup (windows are near misses)"
         ),

@@ -15,10 +15,11 @@ On by default, where SDPA has no fast kernel for what the model computes:
     SDPA with the materialized [B, 1, L, L] mask there; the kernel reads a [B, Lk] key-padding
     vector (`attention_causal_padding`, on by default; benchmarks/results/latest/flash_attention.md);
   - SDPA with a proven sliding-window mask (Mistral, Gemma-2/3's local layers, Qwen2 with
-    use_sliding_window), with or without run-time key padding, over square scores: plain compile
-    runs SDPA with the materialized window mask, every key block of every row; the kernel visits
-    only the blocks inside the window (`attention_sliding_window`, on by default;
-    benchmarks/results/latest/attention_windows.md).
+    use_sliding_window; ModernBERT's bidirectional band |i - j| <= w, the window 2w + 1 on the
+    diagonal moved by w, the kernel's `diagonal`), with or without run-time key padding, over
+    square scores: plain compile runs SDPA with the materialized window mask, every key block of
+    every row; the kernel visits only the blocks inside the window (`attention_sliding_window`, on
+    by default; benchmarks/results/latest/attention_windows.md).
 Opt-in (`attention_kernel`): an all-true mask AND run-time key padding, and causal or windowed
 masks over a cache (Lq != Lk): window, alignment and the [B, Lk] key-padding vector read from the
 mask's classification, grouped K/V read without repeat_kv, no torch.cond, no host sync. Off by
@@ -220,16 +221,30 @@ def _average_empty_rows(graph: fx.Graph, out: fx.Node, b: dict, before: fx.Node)
 
 
 def kernel_head_dim(m: Match, cfg) -> str | None:
+    """q/k head dim in the kernel's HEAD_DIMS; v's the same, or smaller (MLA's 128 under 192) with
+    attention_mla: the replacement pads v with zeros to q's head dim and drops the padded output
+    columns, as transformers' flash-attention path does for MLA."""
     from fusionpass.kernels.attention import HEAD_DIMS
 
     d = g.static_int(g.tensor(m.bindings["args"]["query"]).shape[-1])
     if d not in HEAD_DIMS:
         return f"head dim {d} not in the kernel's {HEAD_DIMS}"
+    dv = g.static_int(g.tensor(m.bindings["value"]).shape[-1])
+    if dv is None or dv > d:
+        return f"value head dim {dv} above the query's {d}"
+    if dv != d and not cfg.attention_mla:
+        return f"value head dim {dv} under the query's {d} (MLA): {MLA_OPT_IN}"
     return None
 
 
+def _is_band(b: dict) -> bool:
+    """A bidirectional band |q - kv| <= w: the window 2w + 1 on the diagonal moved by w."""
+    return b["kind"] == "sliding_window" and b["shift"] > 0 and b["window"] == 2 * b["shift"] + 1
+
+
 def kernel_constants(m: Match, cfg) -> str | None:
-    """dropout_p and scale are constants; the diagonal is top-left or bottom-right aligned."""
+    """dropout_p and scale are constants; the diagonal is top-left or bottom-right aligned, or a
+    band's over square scores (the kernel's `diagonal`)."""
     args = m.bindings["args"]
     p = args["dropout_p"]
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
@@ -239,7 +254,8 @@ def kernel_constants(m: Match, cfg) -> str | None:
         return f"scale {scale!r} is not a constant"
     shift = m.bindings["shift"]
     lq, lk = g.tensor(args["query"]).shape[-2], g.tensor(args["key"]).shape[-2]
-    if shift != 0 and not statically_known_true(lk - lq == shift):
+    band = _is_band(m.bindings) and statically_known_true(lq == lk)
+    if shift != 0 and not statically_known_true(lk - lq == shift) and not band:
         return f"diagonal offset {shift} is neither 0 (top-left) nor Lk - Lq (bottom-right)"
     return None
 
@@ -260,11 +276,21 @@ def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
         key_bias = eager.insert_per_key(graph, b["key_bias"], node)
     else:
         key_bias = None
+    # kernel_constants: a shift other than 0 is Lk - Lq (bottom-right), or a band's over square scores
+    band = _is_band(b) and statically_known_true(g.tensor(q).shape[-2] == g.tensor(b["key"]).shape[-2])
     options = dict(key_padding=b["key_padding"], key_bias=key_bias, scale=scale, causal=causal,
-                   window=b["window"] or 0, align_bottom_right=b["shift"] != 0, dropout_p=p, seed=seed)
-    call = g.insert_call(graph, node, torch.ops.fusionpass.flash_attention.default, (q, b["key"], b["value"]), node,
+                   window=b["window"] or 0, align_bottom_right=b["shift"] != 0 and not band,
+                   diagonal=b["shift"] if band else 0, dropout_p=p, seed=seed)
+    value = b["value"]
+    dv = g.static_int(g.tensor(value).shape[-1])
+    if dv != d:
+        # MLA (kernel_head_dim): zero columns of v give zero output columns, dropped below
+        value = g.insert_call(graph, node, torch.nn.functional.pad, (value, (0, d - dv)), node)
+    call = g.insert_call(graph, node, torch.ops.fusionpass.flash_attention.default, (q, b["key"], value), node,
                          kwargs=options)
     out, _ = g.insert_getitems(graph, call, 2)
+    if dv != d:
+        out = g.insert_call(graph, node, operator.getitem, (out, (Ellipsis, slice(None, dv))), node)
     if b.get("empty_rows"):
         out = _average_empty_rows(graph, out, b, node)
     if e is not None and g.tensor(node).dim() == 3:
@@ -324,12 +350,15 @@ def square_by_default(m: Match, cfg) -> str | None:
         return None
     args = m.bindings["args"]
     lq, lk = g.tensor(args["query"]).shape[-2], g.tensor(args["key"]).shape[-2]
-    if m.bindings["shift"] != 0 or not statically_known_true(lq == lk):
+    diagonal_ok = m.bindings["shift"] == 0 or _is_band(m.bindings)
+    if not diagonal_ok or not statically_known_true(lq == lk):
         return f"{what} with {lq} queries over {lk} keys (a cache): {KERNEL_OPT_IN}"
     return None
 
 
 KERNEL_OPT_IN = "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1)"
+MLA_OPT_IN = ("the padded-v kernel route measured slower than plain compile (benchmarks/results/latest/"
+              "attention_head_dims.md), opt-in (attention_mla=True)")
 SLIDING_WINDOW_OFF = "fusionpass's sliding-window route is off (attention_sliding_window=False)"
 
 
@@ -366,8 +395,13 @@ class Options:
                                         "scores (an HF collator's attention_mask) -> fusionpass::flash_attention")
     # On by default: plain compile runs SDPA with the materialized window mask over every key;
     # the kernel skips the blocks outside the window (benchmarks/results/latest/attention_windows.md).
-    sliding_window: bool = option(True, "SDPA with a proven sliding-window mask (with or without run-time "
-                                        "key padding) over square scores -> fusionpass::flash_attention")
+    sliding_window: bool = option(True, "SDPA with a proven sliding-window mask or bidirectional band (with or "
+                                        "without run-time key padding) over square scores -> "
+                                        "fusionpass::flash_attention")
+    # Off by default: v padded to q's head dim costs the kernel more than plain compile's masked
+    # SDPA spends (benchmarks/results/latest/attention_head_dims.md).
+    mla: bool = option(False, "q/k and v of different head dims (MLA: 192 and 128) on the routes above, v "
+                              "padded with zero columns to q's head dim for the kernel")
 
 
 FLASH_ATTENTION = registry.register(
@@ -382,15 +416,17 @@ FLASH_ATTENTION = registry.register(
             "masked_fill, Falcon's ALiBi in scores and mask, GPT-2's matmul / scale / "
             "additive causal mask / softmax / dropout / matmul) and SDPA whose float mask carries a per-key "
             "(ALiBi) bias over a proven causal/all-true mask (+ key padding), SDPA with a causal mask AND "
-            "run-time key padding, and SDPA with a proven sliding-window mask (+ key padding) -> "
+            "run-time key padding, and SDPA with a proven sliding-window mask or bidirectional band (+ key "
+            "padding) -> "
             "fusionpass::flash_attention; opt-in: SDPA with an all-true mask AND run-time key padding"
         ),
         selected_when=(
             "eager-math attention and ALiBi-biased SDPA masks (our kernel instead of S x S tensors); "
             "causal masks with run-time key padding over square scores unless attention_causal_padding=False; "
-            "sliding windows over square scores unless attention_sliding_window=False; "
+            "sliding windows and bands over square scores unless attention_sliding_window=False; "
             "all-true masks with key padding, and causal padding or windows over a cache, only with "
             "attention_kernel=True; "
+            "v's head dim under q's (MLA) only with attention_mla=True; "
             "fp16/bf16 on CUDA (fp32 is a near miss there, kernel_dtypes)"
         ),
         anchor=lambda node: sdpa.has_mask_node(node) or eager.is_anchor(node),

@@ -57,6 +57,14 @@ class Affine:
 
 
 @dataclasses.dataclass(frozen=True)
+class Abs:
+    """|x| of an index value x (ModernBERT's `abs(q_idx - kv_idx) <= w`): only `|x| <= c` (and
+    `< c`) with a constant c is a mask, the two constraints x <= c and -x <= c."""
+
+    of: Affine
+
+
+@dataclasses.dataclass(frozen=True)
 class Constraint:
     """sum(coef * axis) + const <= 0 over integer positions."""
 
@@ -118,6 +126,7 @@ _COMPARISONS = {
 _EQUALITIES = {operator.eq: "eq", torch.eq: "eq", "eq": "eq", "__eq__": "eq",
                operator.ne: "ne", torch.ne: "ne", "ne": "ne", "__ne__": "ne"}
 _ANDS = {operator.and_, torch.logical_and, torch.bitwise_and, "logical_and", "__and__", "bitwise_and"}
+_ABS = {abs, operator.abs, torch.abs, "abs", "__abs__"}
 
 
 def _target(node: fx.Node):
@@ -129,6 +138,17 @@ def _constraint(kind: str, a: Affine, b: Affine) -> Constraint:
         a, b, kind = b, a, "le" if kind == "ge" else "lt"
     diff = a.plus(b, -1)  # a - b <= 0  (a - b + 1 <= 0 for <, over integers)
     return Constraint(diff.coef, diff.const + (1 if kind == "lt" else 0))
+
+
+def _abs_constraints(kind: str, a, b) -> tuple[Constraint, ...]:
+    """|x| <= c (or < c, or c >= |x|, c > |x|) with a constant c: x <= c and -x <= c."""
+    if isinstance(b, Abs):
+        a, b, kind = b, a, {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt"}[kind]
+    if not (isinstance(a, Abs) and isinstance(b, Affine) and not b.coef and kind in ("le", "lt")):
+        raise Unprovable("|x| compared other than as |x| <= constant")
+    x = a.of
+    minus_x = Affine(tuple((axis, -k) for axis, k in x.coef), -x.const, x.lengths)
+    return _constraint(kind, x, b), _constraint(kind, minus_x, b)
 
 
 def _index_placement(node: fx.Node, src: Affine) -> Affine:
@@ -311,8 +331,16 @@ class MaskAnalysis:
             raise Unprovable("cumsum of a value not proven zero")
         if t == "unsqueeze":
             return _unsqueezed(node, self.value(node.args[0]))
+        if t in _ABS:
+            src = self.value(node.args[0])
+            if not isinstance(src, Affine):
+                raise Unprovable("abs of a non-index value")
+            return Abs(src)
         if t in _COMPARISONS:
             a, b = (self.value(x) for x in node.args[:2])
+            if isinstance(a, Abs) or isinstance(b, Abs):
+                x = a.of if isinstance(a, Abs) else b.of
+                return Conjunction(_abs_constraints(_COMPARISONS[t], a, b), (), x.lengths)
             if not (isinstance(a, Affine) and isinstance(b, Affine)):
                 raise Unprovable("comparison of non-index values")
             lengths = tuple(sorted(dict(a.lengths + b.lengths).items()))
@@ -358,7 +386,7 @@ class MaskAnalysis:
 
 @dataclasses.dataclass(frozen=True)
 class MaskKind:
-    kind: str  # "none" | "causal" | "causal_offset" | "sliding_window" | "other"
+    kind: str  # "none" | "causal" | "causal_offset" | "sliding_window" (bands too) | "other"
     detail: str
     nodes: frozenset[fx.Node]
     # run-time tensors the mask also depends on (key padding): the mask equals `kind` wherever
@@ -411,8 +439,10 @@ def classify(mask: fx.Node) -> MaskKind:
         # the kernel's window does not apply (shift stays None)
         shift = -causal[0].const if causal else None
         size = None if shift is None else shift + 1 - window[0].const
-        return MaskKind("sliding_window", "sliding-window mask" + padding, nodes, runtime,
-                        shift=shift, window=size)
+        # |q - kv| <= w (ModernBERT's local layers) is the window 2w + 1 on the diagonal moved by w
+        what = (f"bidirectional band mask (|q - kv| <= {shift})" if shift and shift > 0 and size == 2 * shift + 1
+                else "sliding-window mask")
+        return MaskKind("sliding_window", what + padding, nodes, runtime, shift=shift, window=size)
     if not causal:
         detail = "bidirectional mask" + padding if runtime else "mask is true everywhere"
         return MaskKind("none", detail, nodes, runtime)

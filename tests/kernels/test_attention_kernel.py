@@ -53,7 +53,8 @@ def keep_prob(p):
 
 
 def reference(q, k, v, do, *, causal=False, scale=None, window=None, alibi_slopes=None, alibi_symmetric=False,
-              key_padding=None, key_bias=None, kv_lengths=None, dropout_p=0.0, mask=None, align="top_left"):
+              key_padding=None, key_bias=None, kv_lengths=None, dropout_p=0.0, mask=None, align="top_left",
+              diagonal=0):
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -61,7 +62,7 @@ def reference(q, k, v, do, *, causal=False, scale=None, window=None, alibi_slope
     kk, vv = k64.repeat_interleave(g, dim=1), v64.repeat_interleave(g, dim=1)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     s = (q64 @ kk.transpose(-1, -2)) * scale
-    shift = Lk - Lq if align == "bottom_right" else 0
+    shift = (Lk - Lq if align == "bottom_right" else 0) + diagonal
     pos = (torch.arange(Lq) + shift)[:, None]
     j = torch.arange(Lk)[None, :]
     if alibi_slopes is not None:
@@ -157,6 +158,8 @@ CASES = {
     "full-f32-scale-L1": (2, 2, 1, 1, 5, 64, F32, {"scale": 0.3}, SMALL),
     "full-bf16-d96": (2, 4, 2, 17, 17, 96, BF16, {}, SMALL),
     "full-f16-d256": (1, 2, 1, 17, 33, 256, F16, {}, SMALL),
+    # MLA's q/k head dim (v padded to it by the flash_attention pattern), padded to 256 in registers
+    "pad-causal-bf16-d192": (3, 2, 1, 33, 33, 192, BF16, {"causal": True, "pad": "mask"}, SMALL),
     # causal, top-left (SDPA's is_causal) and bottom-right, Lq == Lk and Lq != Lk
     "causal-f16-gqa2": (2, 4, 2, 33, 33, 64, F16, {"causal": True}, SMALL),
     "causal-f32-tl-q<k-d128": (2, 4, 2, 17, 33, 128, F32, {"causal": True}, SMALL),
@@ -180,6 +183,15 @@ CASES = {
     "window34-f32-long": (1, 2, 1, 70, 70, 64, F32, {"causal": True, "window": 34}, SMALL),
     "window41-f16-br-long": (1, 2, 2, 64, 74, 64, F16, {"causal": True, "window": 41, "align": "bottom_right"},
                              SMALL),
+    # a diagonal moved by `diagonal` keys: ModernBERT's bidirectional band |i - j| <= w is window
+    # 2w + 1 at diagonal w (blocks right of the band skipped as those left of it); a band wider
+    # than a block, one narrower, one with padding, one whose diagonal moves past the last key
+    "band3-f32": (2, 4, 2, 33, 33, 64, F32, {"causal": True, "window": 7, "diagonal": 3}, SMALL),
+    "band20-bf16-long": (1, 2, 1, 70, 70, 64, BF16, {"causal": True, "window": 41, "diagonal": 20}, SMALL),
+    "band5-f16-pad-bn32": (3, 4, 2, 33, 33, 128, F16, {"causal": True, "window": 11, "diagonal": 5, "pad": "mask"},
+                           BN32),
+    "band40-f32-bm32": (2, 2, 2, 33, 33, 64, F32, {"causal": True, "window": 81, "diagonal": 40}, BM32),
+    "causal-diag-2-f32": (2, 2, 1, 33, 33, 64, F32, {"causal": True, "diagonal": -2}, SMALL),
     # ALiBi, causal and not
     "alibi-causal-f32": (2, 4, 2, 33, 33, 64, F32, {"causal": True, "alibi": True}, SMALL),
     "alibi-full-f16-d80": (2, 4, 4, 17, 33, 80, F16, {"alibi": True}, SMALL),
@@ -473,6 +485,8 @@ def test_bad_arguments():
     _bad("causal", window=4)
     _bad("window", causal=True, window=0)
     _bad("align", causal=True, align="center")
+    _bad("diagonal", diagonal=2)
+    _bad("diagonal", causal=True, diagonal=1.5)
     _bad("alibi_slopes", alibi_slopes=torch.ones(2))
     _bad("key_padding", key_padding=torch.ones(1, 5, dtype=torch.int32))
     _bad("key_padding", key_padding=torch.ones(1, 4, dtype=torch.bool))

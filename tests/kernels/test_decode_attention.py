@@ -72,7 +72,7 @@ def check(q, k, v, lens, k_ref, v_ref, tol=None, **opts):
     ref, empty = reference(q, k_ref, v_ref, lens, opts.get("scale"), opts.get("alibi_slopes"),
                            opts.get("key_padding"))
     dt = q.dtype
-    assert out.dtype == dt and out.shape == q.shape and out.is_contiguous()
+    assert out.dtype == dt and out.shape == (*q.shape[:3], v.shape[3]) and out.is_contiguous()
     assert torch.isfinite(out).all(), "not finite"
     if empty.any():
         assert not out[empty].any(), "rows that see no key must be 0"
@@ -83,10 +83,12 @@ def check(q, k, v, lens, k_ref, v_ref, tol=None, **opts):
 
 
 def make(B, Hq, Hkv, Lq, L, D, dt, lens, token_major=False, lens_dtype=torch.int32):
+    """D: the head dim, or (q/k head dim, v head dim) as MLA has them."""
+    D, Dv = D if isinstance(D, tuple) else (D, D)
     lens = torch.tensor(lens, dtype=lens_dtype)
     q = rnd((B, Lq, Hq, D), dt).transpose(1, 2) if token_major else rnd((B, Hq, Lq, D), dt)
     k, k_ref = cache(B, Hkv, L, D, dt, lens, token_major)
-    v, v_ref = cache(B, Hkv, L, D, dt, lens, token_major)
+    v, v_ref = cache(B, Hkv, L, Dv, dt, lens, token_major)
     return q, k, v, lens, k_ref, v_ref
 
 
@@ -110,6 +112,11 @@ CASES = {
     "f32-gqa4-q4-scale": (2, 8, 2, 4, 37, 64, F32, [37, 20], {"scale": 0.3}),
     "f32-gqa4-q4-alibi": (3, 8, 2, 4, 100, 64, F32, [100, 2, 47], {"alibi": True}),
     "bf16-gqa8-q1-d128-alibi": (2, 8, 1, 1, 37, 128, BF16, [37, 18], {"alibi": True}),
+    # head dims that are not powers of two (padded to 128 in registers), and MLA's q/k 192 with v 128
+    "bf16-gqa4-q1-d80-L37": (2, 4, 1, 1, 37, 80, BF16, [37, 9], {}),
+    "f32-gqa2-q4-d96-L37": (2, 4, 2, 4, 37, 96, F32, [37, 2], {}),
+    "bf16-mla-q1-d192v128-L37": (2, 2, 2, 1, 37, (192, 128), BF16, [37, 20], {}),
+    "f32-mla-q4-d192v128-L37": (1, 2, 2, 4, 37, (192, 128), F32, [30], {}),
 }
 
 
@@ -320,7 +327,8 @@ def test_bad_arguments():
     _bad("4-D", torch.randn(4, 2, 64))
     _bad("4-D", k=torch.randn(2, 5, 64), v=torch.randn(2, 5, 64))
     _bad("head dim", torch.randn(1, 4, 2, 32), torch.randn(1, 2, 5, 32))
-    _bad("head dim", torch.randn(1, 4, 2, 80), torch.randn(1, 2, 5, 80))
+    _bad("head dim", torch.randn(1, 4, 2, 48), torch.randn(1, 2, 5, 48))
+    _bad("value head dim 32", v=torch.randn(1, 2, 5, 32))
     _bad("multiple", torch.randn(1, 3, 2, 64))
     _bad("query length", torch.randn(1, 4, 17, 64))
     _bad("query length", torch.randn(1, 4, 0, 64))

@@ -78,12 +78,13 @@ def test_token_major_forward_backward(path, dtype, dout_layout):
         assert torch.equal(a, b), name
     # and they are attention: the torch reference in fp32 (same keep bits)
     ref_out, ref_lse = fa_ops._reference(*(t.detach() for t in (q, k, v)), None, bias, D**-0.5, True, 0, False,
-                                         0.25, torch.tensor([1234]))
+                                         0, 0.25, torch.tensor([1234]))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(results[True][0].float(), ref_out.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(results[True][1], ref_lse, rtol=1e-5, atol=1e-5)
     ref_grads = fa_ops._reference_backward(dout.float(), *(t.detach().float() for t in (q, k, v)), None, None,
-                                           None, bias.float(), D**-0.5, True, 0, False, 0.25, torch.tensor([1234]))
+                                           None, bias.float(), D**-0.5, True, 0, False, 0, 0.25,
+                                           torch.tensor([1234]))
     for got, want, name in zip(results[True][2:], ref_grads, ("dq", "dk", "dv")):
         scale = want.abs().max().item()
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * scale, msg=lambda m: f"{name}: {m}")

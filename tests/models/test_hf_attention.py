@@ -100,6 +100,20 @@ def build(family: str):
         config = t.Gemma3TextConfig(**DECODER, sliding_window=WINDOW,
                                     layer_types=["sliding_attention", "full_attention"])
         cls = t.Gemma3ForCausalLM
+    elif family == "modernbert":  # a global layer, then a local one (a band |i - j| <= 2 < SEQ)
+        config = t.ModernBertConfig(
+            hidden_size=DECODER["num_attention_heads"] * DECODER["head_dim"], intermediate_size=128,
+            num_hidden_layers=LAYERS, num_attention_heads=DECODER["num_attention_heads"], vocab_size=VOCAB,
+            pad_token_id=0, local_attention=4, layer_types=["full_attention", "sliding_attention"],
+            attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0)
+        cls = t.ModernBertForMaskedLM
+    elif family == "deepseek_v3":  # MLA at DeepSeek-V3's head dims: q/k 128 + 64 rope, v 128; dense MLPs
+        config = t.DeepseekV3Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=2,
+            num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+            v_head_dim=128, first_k_dense_replace=LAYERS, vocab_size=VOCAB, pad_token_id=0, bos_token_id=0,
+            eos_token_id=0, attention_dropout=0.0)
+        cls = t.DeepseekV3ForCausalLM
     elif family == "phi3":
         kw = {k: v for k, v in DECODER.items() if k != "head_dim"}  # Phi-3: hidden / heads
         config = t.Phi3Config(**kw, resid_pdrop=0.0, embd_pdrop=0.0)
@@ -309,6 +323,52 @@ def test_sliding_window_by_default(monkeypatch, family, mask, train):
     assert_fast_form(stats, want)
     assert ("flash_attention", window) in stats
     assert_outcomes_close(got, plain_compile(model, args, kwargs, train), rtol=RTOL_FP32)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("mask", [None, "left"])
+def test_modernbert_band_by_default(monkeypatch, mask, train):
+    # ModernBERT's local layer, |i - j| <= w: the sliding-window route on a moved diagonal, by
+    # default, against plain compile (its global layer is another route's, or a near miss)
+    for name in ("RUNTIME_CHECK", "CAUSAL_PADDING", "SLIDING_WINDOW"):
+        monkeypatch.delenv(f"FUSIONPASS_ATTENTION_{name}")
+    monkeypatch.setitem(DECODER, "num_attention_heads", 2)
+    monkeypatch.setitem(DECODER, "head_dim", 64)
+    model = build("modernbert").train(train)
+    args, kwargs = inputs("bert", mask, train)
+    got, stats = compile_and_count(model, *args, fusions=ATTENTION, train=train, kwargs=kwargs)
+    window = "sliding_window_kernel_padded" if mask else "sliding_window_kernel"
+    assert stats.get(("flash_attention", window)) == 1, (stats, near_misses())
+    assert not [m for m in near_misses() if "band" in m[2]]
+    assert_outcomes_close(got, plain_compile(model, args, kwargs, train), rtol=RTOL_FP32)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("mask", ["ones", "left"])
+def test_mla_causal_padding(monkeypatch, mask, train):
+    # DeepSeek-V3's MLA (q/k head dim 192, v 128) with the collator's attention_mask, opted in: the
+    # kernel at q's head dim, v padded with zero columns that the output drops, against plain compile
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK")
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING")
+    monkeypatch.setenv("FUSIONPASS_ATTENTION_MLA", "1")
+    model = build("deepseek_v3").train(train)
+    args, kwargs = inputs("deepseek_v3", mask, train)
+    got, stats = compile_and_count(model, *args, fusions=ATTENTION, train=train, kwargs=kwargs)
+    assert near_misses() == []
+    assert stats == {("flash_attention", "causal_kernel_padded"): LAYERS}
+    assert_outcomes_close(got, plain_compile(model, args, kwargs, train), rtol=RTOL_FP32)
+
+
+def test_mla_is_opt_in(monkeypatch):
+    # by default MLA stays with plain compile's SDPA, a near miss naming the setting
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK")
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING")
+    model = build("deepseek_v3").train(False)
+    args, kwargs = inputs("deepseek_v3", "ones", False)
+    _, stats = compile_and_count(model, *args, fusions=ATTENTION, train=False, kwargs=kwargs)
+    assert stats == {}
+    reasons = [m[2] for m in near_misses() if m[0] == "flash_attention"]
+    assert len(reasons) == LAYERS and all("(MLA)" in r and "attention_mla=True" in r for r in reasons), reasons
 
 
 # ---------------------------------------------------------------------------------------------

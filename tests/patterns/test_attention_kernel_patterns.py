@@ -147,6 +147,19 @@ def test_sliding_window_by_default(monkeypatch, padding_kind):
     assert reason.endswith("sliding-window route is off (attention_sliding_window=False)")
 
 
+@pytest.mark.parametrize("padding_kind", [None, "left"])
+def test_bidirectional_band_by_default(monkeypatch, padding_kind):
+    # ModernBERT's |q - kv| <= 2 is the window 5 on the diagonal moved by 2: the sliding-window
+    # route takes it (the kernel's `diagonal`), by default, over square scores
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_KERNEL")
+    variant = "sliding_window_kernel_padded" if padding_kind else "sliding_window_kernel"
+    check(Attention("band", layers=2), inputs(padding_kind), counts(**{variant: 2}), train=True)
+    gm, _, record = fused_graph(Attention("band").eval(), *inputs(padding_kind), fusions=ATTENTION)
+    (call,) = [n for n in gm.graph.nodes if n.target is FLASH]
+    assert (call.kwargs["causal"], call.kwargs["window"], call.kwargs["diagonal"],
+            call.kwargs["align_bottom_right"]) == (True, 5, 2, False)
+
+
 def test_sliding_window_over_more_keys_than_queries_is_opt_in(monkeypatch):
     # 4 queries over 8 keys (what a cache gives): only with attention_kernel
     monkeypatch.delenv("FUSIONPASS_ATTENTION_KERNEL")

@@ -97,10 +97,16 @@ def causal_where(batch_idx, head_idx, q_idx, kv_idx):
     return torch.where(kv_idx <= q_idx, True, False)
 
 
+def band(batch_idx, head_idx, q_idx, kv_idx):
+    """ModernBERT's local layers (transformers' sliding_window_bidirectional_overlay): |q - kv| <= 2."""
+    return abs(q_idx - kv_idx) <= 2
+
+
 MASK_FUNCTIONS = {
     "causal": causal,
     "bidirectional": bidirectional,
     "sliding_window": sliding_window(3),
+    "band": and_masks(band, bidirectional),
     "where": causal_where,
 }
 
@@ -462,6 +468,12 @@ def test_sliding_window_with_padding():
     )
 
 
+def test_bidirectional_band():
+    # ModernBERT's |q - kv| <= 2, proven; a near miss here only because the fixture turns the
+    # sliding-window route off (test_attention_kernel_patterns.py takes it to the kernel)
+    assert_miss(Attention("band"), inputs_for(None), "bidirectional band mask (|q - kv| <= 2): " + WINDOW_OFF)
+
+
 def test_causal_with_query_offset():
     """Queries are the last 4 of 8 positions (q_idx = arange(4) + 4, kv_idx = arange(8)):
     bottom-right causal, which SDPA's top-left is_causal is not."""
@@ -750,3 +762,4 @@ def test_unpacked_positions_in_the_packed_form_are_causal():
     _, out, record = fused_graph(module, *inputs, fusions=ATTENTION)
     assert record.matches == counts(causal_mask=1)
     torch.testing.assert_close(out, module(*inputs), rtol=1e-5, atol=1e-5)
+

@@ -26,10 +26,17 @@ def _small_blocks(monkeypatch):
 
 
 def model(family, attn="sdpa"):
+    """llama (head dim 64), llama-d80, qwen2 (64), or deepseek_v3: MLA's q/k head dim 192 with v's 128."""
     kw = dict(hidden_size=256, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
-    config = (transformers.LlamaConfig(head_dim=64, **kw) if family == "llama"
-              else transformers.Qwen2Config(**kw))
+    if family == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            **{**kw, "num_attention_heads": 2, "num_key_value_heads": 2}, kv_lora_rank=32, q_lora_rank=None,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=LAYERS)
+    elif family.startswith("llama"):
+        config = transformers.LlamaConfig(head_dim=80 if family == "llama-d80" else 64, **kw)
+    else:
+        config = transformers.Qwen2Config(**kw)
     config._attn_implementation = attn
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -45,12 +52,13 @@ def prefilled(m):
     return cache, logits[:, -1:].argmax(-1)
 
 
-def compiled(m, fused):
-    backend = fusionpass.backend(fusions=[FUSION], cpu=True) if fused else "inductor"
+def compiled(m, fused, **settings):
+    backend = fusionpass.backend(fusions=[FUSION], cpu=True, **settings) if fused else "inductor"
     return torch.compile(m, backend=backend, fullgraph=True)
 
 
-@pytest.mark.parametrize("family, attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager")])
+@pytest.mark.parametrize("family, attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager"),
+                                          ("llama-d80", "sdpa"), ("deepseek_v3", "sdpa")])
 @pytest.mark.parametrize("q_len", [1, 4])
 def test_decode_step_matches(family, attn, q_len):
     # eager: matmul(q, repeat_kv(k)^T) * scale + where(decode mask, 0, min), fp32 softmax, matmul
@@ -63,7 +71,9 @@ def test_decode_step_matches(family, attn, q_len):
     with compiling(), torch.no_grad():
         for fused in (True, False):
             c = copy.deepcopy(cache)
-            outs[fused] = compiled(m, fused)(step, past_key_values=c, use_cache=True).logits
+            # head dims 80 and 192 / 128 (MLA) are opt-in
+            padded = {"decode_attention_padded_head_dims": True} if fused and family in ("llama-d80", "deepseek_v3") else {}
+            outs[fused] = compiled(m, fused, **padded)(step, past_key_values=c, use_cache=True).logits
             if fused:
                 assert fusionpass.stats(variants=True) == {(FUSION, "static_cache"): LAYERS}
                 assert near_misses() == []
@@ -153,4 +163,14 @@ def test_head_dim_guard():
         compiled(m, True)(token, past_key_values=cache, use_cache=True)
         assert fusionpass.stats() == {}
     ((fusion, _, reason),) = near_misses()
-    assert fusion == FUSION and reason == "head_dim: head dim 32 not in the decode kernel's (64, 128, 256)"
+    assert fusion == FUSION and reason == "head_dim: head dim 32 not in the decode kernel's (64, 80, 96, 128, 192, 256)"
+
+
+def test_padded_head_dims_are_opt_in():
+    m = model("llama-d80")
+    cache, token = prefilled(m)
+    with compiling(), torch.no_grad():
+        compiled(m, True)(token, past_key_values=cache, use_cache=True)
+        assert fusionpass.stats() == {}
+    reasons = [r for f, _, r in near_misses() if f == FUSION]
+    assert len(reasons) == LAYERS and all("head dim 80" in r and "padded_head_dims=True" in r for r in reasons)
