@@ -226,6 +226,17 @@ def check(family, mask=None, train=False, reference="compile"):
     assert_outcomes_close(got, want, rtol=RTOL_FP32)
 
 
+def check_kernel_route(family, mask, train, variant):
+    """Every layer of `family` takes flash_attention's `variant` with no near miss, and the
+    outcomes equal plain compile's."""
+    model = build(family).train(train)
+    args, kwargs = inputs(family, mask, train)
+    got, stats = compile_and_count(model, *args, fusions=ATTENTION, train=train, kwargs=kwargs)
+    assert near_misses() == []
+    assert stats == {("flash_attention", variant): LAYERS}
+    assert_outcomes_close(got, plain_compile(model, args, kwargs, train), rtol=RTOL_FP32)
+
+
 # ---------------------------------------------------------------------------------------------
 # training (forward with labels + backward), no attention_mask: every family
 
@@ -292,12 +303,7 @@ def test_causal_padding_by_default(monkeypatch, mask, train):
     monkeypatch.setitem(DECODER, "num_attention_heads", 2)
     monkeypatch.setitem(DECODER, "num_key_value_heads", 1)
     monkeypatch.setitem(DECODER, "head_dim", 64)
-    model = build("llama").train(train)
-    args, kwargs = inputs("llama", mask, train)
-    got, stats = compile_and_count(model, *args, fusions=ATTENTION, train=train, kwargs=kwargs)
-    assert near_misses() == []
-    assert stats == {("flash_attention", "causal_kernel_padded"): LAYERS}
-    assert_outcomes_close(got, plain_compile(model, args, kwargs, train), rtol=RTOL_FP32)
+    check_kernel_route("llama", mask, train, "causal_kernel_padded")
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["training", "inference"])
@@ -351,12 +357,7 @@ def test_mla_causal_padding(monkeypatch, mask, train):
     monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK")
     monkeypatch.delenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING")
     monkeypatch.setenv("FUSIONPASS_ATTENTION_MLA", "1")
-    model = build("deepseek_v3").train(train)
-    args, kwargs = inputs("deepseek_v3", mask, train)
-    got, stats = compile_and_count(model, *args, fusions=ATTENTION, train=train, kwargs=kwargs)
-    assert near_misses() == []
-    assert stats == {("flash_attention", "causal_kernel_padded"): LAYERS}
-    assert_outcomes_close(got, plain_compile(model, args, kwargs, train), rtol=RTOL_FP32)
+    check_kernel_route("deepseek_v3", mask, train, "causal_kernel_padded")
 
 
 def test_mla_is_opt_in(monkeypatch):
