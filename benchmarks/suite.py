@@ -229,16 +229,20 @@ def _attention_shapes():
     return Shape
 
 
-def decode_attention_cases(smoke):
+def decode_step_case(shape, selected=True, settings=None):
+    """A Llama static-cache decode step of `shape`, the cache full but for the step's token."""
     from fusionpass.conformance.cases_attention import StaticCacheDecode
 
+    return Case(f"Llama static-cache decode step (sdpa) {shape}",
+                attention_layers(StaticCacheDecode, shape, impl="sdpa", prompt=shape.s - 1), False,
+                ("decode_attention",), selected, settings or {})
+
+
+def decode_attention_cases(smoke):
     Shape = _attention_shapes()
-    fusion = ("decode_attention",)
     shapes = [Shape(1, 4, 2, 128, 64, q=1)] if smoke else [Shape(1, 32, 8, 32768, 128, q=1),
                                                           Shape(8, 32, 8, 8192, 128, q=1)]
-    return [Case(f"Llama static-cache decode step (sdpa) {s}", attention_layers(StaticCacheDecode, s, impl="sdpa",
-                                                                                 prompt=s.s - 1),
-                 False, fusion, True) for s in shapes]
+    return [decode_step_case(s) for s in shapes]
 
 
 def sdpa_mask_cases(smoke):
@@ -303,7 +307,7 @@ def attention_head_dims_cases(smoke):
     MLA (DeepSeek-V3's q/k 192, v 128, v padded to 192 for the kernel) with the collator's all-ones
     attention_mask, where plain compile runs SDPA with the materialized mask; decode steps at head
     dims 80 and 96 (Phi-2's and Phi-3's), padded to 128 in the decode kernel's registers."""
-    from fusionpass.conformance.cases_attention import DeepseekMLA, StaticCacheDecode
+    from fusionpass.conformance.cases_attention import DeepseekMLA
 
     Shape = _attention_shapes()
     mla, d80, d96 = (Shape(2, 2, 2, 64, 192), Shape(1, 4, 2, 128, 80, q=1), Shape(1, 4, 4, 128, 96, q=1)) if smoke \
@@ -311,10 +315,7 @@ def attention_head_dims_cases(smoke):
     return [
         *(Case(f"DeepSeek-V3 MLA sdpa causal + ones key padding {mla}", attention_layers(DeepseekMLA, mla, "ones"),
                train, ("flash_attention",), False, {"attention_mla": True}) for train in (True, False)),
-        *(Case(f"Llama static-cache decode step (sdpa) {s}",
-               attention_layers(StaticCacheDecode, s, impl="sdpa", prompt=s.s - 1), False, ("decode_attention",), False,
-               {"decode_attention_padded_head_dims": True})
-          for s in (d80, d96)),
+        *(decode_step_case(s, False, {"decode_attention_padded_head_dims": True}) for s in (d80, d96)),
     ]
 
 

@@ -762,4 +762,3 @@ def test_unpacked_positions_in_the_packed_form_are_causal():
     _, out, record = fused_graph(module, *inputs, fusions=ATTENTION)
     assert record.matches == counts(causal_mask=1)
     torch.testing.assert_close(out, module(*inputs), rtol=1e-5, atol=1e-5)
-

@@ -72,7 +72,8 @@ def test_decode_step_matches(family, attn, q_len):
         for fused in (True, False):
             c = copy.deepcopy(cache)
             # head dims 80 and 192 / 128 (MLA) are opt-in
-            padded = {"decode_attention_padded_head_dims": True} if fused and family in ("llama-d80", "deepseek_v3") else {}
+            opt_in = fused and family in ("llama-d80", "deepseek_v3")
+            padded = {"decode_attention_padded_head_dims": True} if opt_in else {}
             outs[fused] = compiled(m, fused, **padded)(step, past_key_values=c, use_cache=True).logits
             if fused:
                 assert fusionpass.stats(variants=True) == {(FUSION, "static_cache"): LAYERS}
