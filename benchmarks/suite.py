@@ -286,7 +286,8 @@ def flash_attention_cases(smoke):
 def attention_windows_cases(smoke):
     """flash_attention's sliding-window route (on by default), a topic of its own: plain compile
     runs SDPA with the materialized window mask over every key. Mistral's window, Gemma-3's (head
-    dim 256), a window that cuts little, and one with right key padding."""
+    dim 256), a window that cuts little, one with right key padding, and short sequences (S 512
+    and 256), where the route also takes square scores."""
     from fusionpass.conformance.cases_attention import Llama
 
     Shape = _attention_shapes()
@@ -295,8 +296,10 @@ def attention_windows_cases(smoke):
     else:
         mistral, gemma, cuts_little, padded = (Shape(4, 32, 8, 4096, 128), Shape(2, 8, 4, 4096, 256),
                                                Shape(4, 16, 4, 2048, 128), Shape(8, 16, 4, 1024, 128))
+        s512, s256 = Shape(32, 16, 4, 512, 128), Shape(64, 12, 12, 256, 64)
         rows = [(1024, None, mistral, True), (1024, None, mistral, False), (512, None, gemma, True),
-                (1536, None, cuts_little, True), (256, "right", padded, True)]
+                (1536, None, cuts_little, True), (256, "right", padded, True),
+                (128, None, s512, True), (128, None, s512, False), (64, "right", s256, True)]
     return [Case(f"Mistral sdpa sliding window {window}{f' + {pad} key padding' if pad else ''} {shape}",
                  attention_layers(Llama, shape, pad, impl="sdpa", window=window), train, ("flash_attention",), True)
             for window, pad, shape, train in rows]
@@ -437,6 +440,9 @@ class ModelCase:
     batch: int
     seq: int
     all_ones_mask: bool = False
+    # this many sequences packed into each row: position ids restarting at each, no attention_mask
+    # (DataCollatorWithFlattening's batch)
+    packed: int = 0
     # also time fusionpass without this fusion (what that one fusion gives the whole step)
     without: str | None = None
 
@@ -475,6 +481,12 @@ def model_cases(smoke):
         # the attention_mask a data collator passes (all ones): causal padding's kernel route
         ModelCase("HF Llama 8L h2048 GQA 16/4, all-ones attention_mask",
                   hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama(8)), True, *shape(4, 2048), True),
+        # packed sequences (issue 19's bar: against the same tokens as a B8 S1024 batch with the
+        # collator's attention_mask under plain compile, the row after it)
+        ModelCase("HF Llama 8L h2048 GQA 16/4, 8 packed sequences (position_ids)",
+                  hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama(8)), True, *shape(1, 8192), packed=8),
+        ModelCase("HF Llama 8L h2048 GQA 16/4, all-ones attention_mask",
+                  hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama(8)), True, *shape(8, 1024), True),
         ModelCase("GPT-2 small widths 6L, eager attention",
                   hf_model("GPT2Config", causal_lm, "eager", smoke, n_layer=6), True, *shape(16, 1024)),
         ModelCase("BERT-base MLM widths 6L, sdpa", hf_model("BertConfig", mlm, "sdpa", smoke, num_hidden_layers=6),
@@ -786,6 +798,12 @@ def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None) -> list
             kwargs = {"labels": ids} if case.train else {}
             if case.all_ones_mask:
                 kwargs["attention_mask"] = torch.ones_like(ids)
+            if case.packed:
+                per = case.seq // case.packed
+                kwargs["position_ids"] = (torch.arange(case.seq, device=run.device) % per)[None].expand(case.batch, -1)
+                # transformers looks for packed sequences only without a cache (LlamaModel makes
+                # one when use_cache is on, and then masks the row as one sequence)
+                kwargs["use_cache"] = False
             row = measure(run, i, case.name, model, (ids,), kwargs, case.train, every, {}, case.without,
                           run.model_timing)
             # every fusion is on; which ones matched is the model's business, not a failure

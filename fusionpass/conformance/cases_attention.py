@@ -142,6 +142,28 @@ class Llama(nn.Module):
         return x
 
 
+def packed_positions(length: int, device) -> torch.Tensor:
+    """[1, length] position ids of packed sequences as DataCollatorWithFlattening makes them,
+    restarting at each sequence: lengths 1, a third, 1 and the rest (sequences of one token too)."""
+    third = length // 3
+    lengths = [1, third, 1, length - third - 2]
+    return torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+
+
+class PackedLlama(Llama):
+    """Llama layers over one row of packed sequences: position ids restarting at each sequence (a
+    run-time input) and no attention_mask, so create_causal_mask adds the sequence segments of those
+    ids (transformers' packed-sequence detection, always on under torch.compile)."""
+
+    def forward(self, x, position_ids):
+        mu = _masking()
+        mask = mu.create_causal_mask(self.config, x, None, None, position_ids=position_ids)
+        cos_sin = self.rotary(x, position_ids)
+        for layer in self.layers:
+            x = x + layer(x, cos_sin, mask)[0]
+        return x
+
+
 class DeepseekMLA(nn.Module):
     """DeepseekV3Attention layers (multi-head latent attention: q/k head dim shape.d = 128 + 64
     rotary, v head dim 128, keys and values expanded from a 64-wide latent), with its rotary
@@ -407,6 +429,8 @@ def make_layers(family, shape: Shape, padding: str | None = None, **options):
                 mask[:, 0, 0, :seen] = _attention_mask(padding or "ones", shape.b, seen, device).bool()
             else:
                 mask = _attention_mask(padding, shape.b, seen, device)
+        elif family is PackedLlama:
+            mask = packed_positions(shape.s, device)  # (the position ids, in the mask's place)
         else:
             mask = _attention_mask(padding, shape.b, shape.s, device)
         return module, (*inputs, *([] if mask is None else [mask]))
@@ -575,6 +599,12 @@ ATTENTION_CASES = [
         (BF16, Shape(2, 8, 8, 333, 192), True, "ones"), (BF16, Shape(3, 4, 4, 513, 192), True, "left_empty"),
         (FP16, Shape(2, 8, 8, 77, 192), False, "right"), (FP32, Shape(2, 4, 4, 77, 192), True, "left"),
     ], {"attention_mla": True}),
+    # packed sequences (DataCollatorWithFlattening: one row, position ids restarting, sequences of
+    # one token among them) at the default config (attention_packed)
+    *_cases("flash_attention", "causal_kernel_packed", "llama-sdpa-packed", PackedLlama, _kernel("rope"), [
+        (BF16, Shape(1, 16, 4, 333, 64), True, None), (FP16, Shape(1, 8, 8, 513, 128), False, None),
+        (BF16, Shape(1, 12, 2, 1000, 80), True, None), (FP32, Shape(1, 16, 4, 77, 64), True, None),
+    ], impl="sdpa"),
     *_cases("flash_attention", "none_kernel_padded", "bert-sdpa", Bert, _kernel(), [
         (BF16, MP513, False, "left"), (FP16, MP77, True, "right"), (FP16, MP1000, False, "ones"),
         (FP32, MP1000, False, "ones"),

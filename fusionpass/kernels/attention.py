@@ -1,5 +1,6 @@
 """Triton kernels for FlashAttention-2 style attention: causal (top-left or bottom-right aligned),
-sliding window, ALiBi, key padding, attention dropout and GQA/MQA, forward and backward.
+sliding window, ALiBi, key padding, packed sequences, attention dropout and GQA/MQA, forward and
+backward.
 
 Math (per batch b, query head h, kv head hk = h // (Hq // Hkv); natural-log units)
 -----------------------------------------------------------------------------------------------
@@ -10,7 +11,8 @@ Math (per batch b, query head h, kv head hk = h // (Hq // Hkv); natural-log unit
     key_bias: a per-key additive bias, as BLOOM, MPT and Falcon pass ALiBi (`slope_h * j` rounded
                to the model dtype, the same for every query row), read as given, in fp32
     visible  = (j < Lk) & (not causal or j <= pos_i) & (no window or j > pos_i - window)
-               & key_padding[b, j] & (j < kv_lengths[b])
+               & key_padding[b, j] & (j < kv_lengths[b]) & (segments[b, i] == segments[b, j])
+    segments: [B, L] sequence ids of packed sequences (Lq == Lk == L), nondecreasing along each row
     lse_i    = log sum_{visible j} exp(s_ij)                  (fp32, natural log)
     P_ij     = exp(s_ij - lse_i) where visible, else 0
     out_i    = sum_j P_ij * Z_ij * v_j,   Z_ij = keep_ij * drop_scale   (Z = 1 without dropout; the
@@ -35,7 +37,10 @@ in base 2 (scores pre-multiplied by log2(e); exp2) with the normalization deferr
 Key blocks are split into three ranges: blocks left of the window for some row of the query block
 (element masks), blocks every row sees whole (no element mask; only key_padding, when given), and
 the diagonal / window-less tail blocks (element masks). Blocks above the diagonal and blocks left
-of every row's window are never visited. Backward: `_bwd_pre_kernel` computes D; `_bwd_dkdv_kernel`
+of every row's window are never visited; with segments, neither are the key blocks before the
+sequence of the query block's first row (`_key_ranges`), nor, in the dK/dV kernel, the query blocks
+past the sequence of the key block's last key (`_query_ranges`): packed sequences cost about what
+they would cost apart. Backward: `_bwd_pre_kernel` computes D; `_bwd_dkdv_kernel`
 runs one program per (key block, batch * kv head), loops over the query heads of its group and
 over the query blocks that see the key block (same three-range split), and accumulates dk and dv
 in registers, written once: no atomics; `_bwd_dq_kernel` runs one program per (query block,
@@ -199,10 +204,12 @@ def _scores(s, pos, col, kv_end, window, slope2, kp, kb,
 
 
 @triton.jit
-def _key_ranges(m0, row_end, shift, kv_end, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+def _key_ranges(m0, row_end, shift, kv_end, window, seg_lo, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                HAS_SEG: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key ranges of the query rows [m0, row_end): [lo, full_lo) and [full_hi, hi) need element
-    masks, [full_lo, full_hi) is seen whole by every row. All but hi are multiples of BLOCK_N."""
+    masks, [full_lo, full_hi) is seen whole by every row (but for key padding and segments, masked
+    in every block). All but hi are multiples of BLOCK_N. With segments, seg_lo is where the first
+    row's sequence starts: no row of the block sees a key before it (segment ids never decrease)."""
     hi = kv_end
     full_hi = kv_end
     if CAUSAL:
@@ -214,16 +221,21 @@ def _key_ranges(m0, row_end, shift, kv_end, window, CAUSAL: tl.constexpr, WINDOW
     if WINDOWED:
         lo = tl.maximum(m0 + shift - window + 1, 0) // BLOCK_N * BLOCK_N
         full_lo = (tl.maximum(row_end + shift - window, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    if HAS_SEG:
+        first = seg_lo // BLOCK_N * BLOCK_N
+        lo = tl.maximum(lo, first)
+        full_lo = tl.maximum(full_lo, first)
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
     return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def _query_ranges(n0, Lq, shift, kv_end, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _query_ranges(n0, Lq, shift, kv_end, window, seg_hi, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                  HAS_SEG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Query ranges that see keys [n0, n0 + BLOCK_N): [lo, full_lo) and [full_hi, hi) need element
-    masks, [full_lo, full_hi) sees the whole key block. All but hi are multiples of BLOCK_M."""
+    masks, [full_lo, full_hi) sees the whole key block. All but hi are multiples of BLOCK_M. With
+    segments, seg_hi is where the last key's sequence ends: no later row sees the block."""
     hi = Lq + n0 * 0
     lo = n0 * 0
     full_lo = n0 * 0
@@ -235,11 +247,42 @@ def _query_ranges(n0, Lq, shift, kv_end, window, CAUSAL: tl.constexpr, WINDOWED:
         hi = tl.minimum(hi, tl.maximum(n0 + BLOCK_N - 1 + window - shift, 0))  # last row + 1
         full_hi = tl.maximum(n0 + window - shift, 0) // BLOCK_M * BLOCK_M
     # a block past the valid keys is skipped; one that straddles their end is masked throughout
+    if HAS_SEG:
+        hi = tl.minimum(hi, seg_hi)
     hi = tl.where(n0 < kv_end, hi, lo)
     full_hi = tl.where(n0 + BLOCK_N <= kv_end, full_hi, 0)
     full_lo = tl.maximum(tl.minimum(full_lo, hi), lo)
     full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _kept(kp, seg_rows, seg_cols, HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+    """The run-time part of visibility, broadcastable to the scores tile: key padding kp (already
+    shaped to broadcast) AND, with segments, seg_rows == seg_cols (query and key segment ids,
+    shaped to broadcast). None without either."""
+    if HAS_SEG:
+        keep = seg_rows == seg_cols
+        if HAS_KPM:
+            keep = keep & kp
+    else:
+        keep = kp
+    return keep
+
+
+@triton.jit
+def _segment_rows(SEG, SEG_LO, b64, L, m0, rows, row_ok, HAS_SEG: tl.constexpr):
+    """With segments ([B, L] contiguous, Lq == Lk == L): row b's base pointer, the segment ids of
+    the query rows (-1 past Lq, equal to no key's) and the start of the first row's sequence
+    (unused zeros without segments)."""
+    seg_base = SEG + b64 * L  # (never read without segments)
+    if HAS_SEG:
+        seg_q = tl.load(seg_base + rows, mask=row_ok, other=-1)
+        seg_lo = tl.load(SEG_LO + b64 * L + m0)
+    else:
+        seg_q = rows * 0
+        seg_lo = m0 * 0
+    return seg_base, seg_q, seg_lo
 
 
 @triton.jit
@@ -314,11 +357,11 @@ def _softmax_step(s, m_i, l_i, GUARD: tl.constexpr):
 @triton.jit
 def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
                start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2,
-               drop_rows, k0, k1, o0, o1, thr,
+               drop_rows, k0, k1, o0, o1, thr, seg_base, seg_q,
                CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
-               HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
-               EVEN_D: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+               MASKED: tl.constexpr, EVEN_D: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
+               PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
         # the bias first: issued before the K tile, its load is not waited for after the dot
@@ -329,9 +372,17 @@ def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn
             kp = tl.load(kp_base + cols * skpn, mask=cols < kv_end, other=0) != 0
         else:
             kp = None
-        s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, kp[None, :] if HAS_KPM else None,
-                    kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, MASKED)
-        p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASKED or HAS_KPM)
+        if HAS_SEG:
+            seg_k = tl.load(seg_base + cols, mask=cols < kv_end, other=-2)
+        else:
+            seg_k = None
+        keep = _kept(kp[None, :] if HAS_KPM else None, seg_q[:, None] if HAS_SEG else None,
+                     seg_k[None, :] if HAS_SEG else None, HAS_KPM, HAS_SEG)
+        s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, keep,
+                    kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM or HAS_SEG, HAS_KB,
+                    MASKED)
+        # (a row may see nothing in a block of other sequences' keys)
+        p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASKED or HAS_KPM or HAS_SEG)
         if DROPOUT:
             keep = keep_mask16(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
@@ -385,7 +436,7 @@ def _rope_q(q, q_base, cos_base, sin_base, offs_m, offs_d, row_ok, sqm, sqd, scm
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _fwd_kernel(
-    Q, K, V, O, LSE, SLOPES, KPM, KB, KVLEN, SEED, COS, SIN,
+    Q, K, V, O, LSE, SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI, COS, SIN,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, skpb, skpn,
     skbb, skbh, skbn, scb, sch, scm, scd, ssb, ssh, ssm, ssd,
     Hq, Lq, Lk, GROUP, num_m, qk_scale, window, diag, drop_scale,
@@ -393,6 +444,7 @@ def _fwd_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
     ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_KVLEN: tl.constexpr,
+    HAS_SEG: tl.constexpr,
     DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
     ROPE: tl.constexpr, ROT_DIM: tl.constexpr, ROPE_HALVES: tl.constexpr,
 ):
@@ -433,26 +485,29 @@ def _fwd_kernel(
     kv_end = _valid_keys(KVLEN, b, Lk, HAS_KVLEN)
     drop_rows = _dropout_rows(bh, Lq, offs_m)
 
+    seg_base, seg_q, seg_lo = _segment_rows(SEG, SEG_LO, b64, Lq, m0, offs_m, row_ok, HAS_SEG)
+
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    lo, full_lo, full_hi, hi = _key_ranges(m0, row_end, shift, kv_end, window, CAUSAL, WINDOWED, BLOCK_N)
+    lo, full_lo, full_hi, hi = _key_ranges(m0, row_end, shift, kv_end, window, seg_lo, CAUSAL, WINDOWED, HAS_SEG,
+                                           BLOCK_N)
     if WINDOWED:
         acc, l_i, m_i = _fwd_steps(
             acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, lo, full_lo, pos, offs_n,
-            offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t,
-            CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, True, EVEN_D, DT, INTERP, PREC,
-            BLOCK_M, BLOCK_N)
+            offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t, seg_base, seg_q,
+            CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT, True, EVEN_D, DT, INTERP,
+            PREC, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_steps(
         acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, full_lo, full_hi, pos, offs_n,
-        offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t,
-        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, False, EVEN_D, DT, INTERP, PREC,
-        BLOCK_M, BLOCK_N)
+        offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t, seg_base, seg_q,
+        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT, False, EVEN_D, DT, INTERP,
+        PREC, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_steps(
         acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, full_hi, hi, pos, offs_n,
-        offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t,
-        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, True, EVEN_D, DT, INTERP, PREC,
-        BLOCK_M, BLOCK_N)
+        offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t, seg_base, seg_q,
+        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT, True, EVEN_D, DT, INTERP,
+        PREC, BLOCK_M, BLOCK_N)
 
     empty = l_i == 0.0  # (a row with a visible key has l >= 1: its maximum contributes exp2(0))
     l_safe = tl.where(empty, 1.0, l_i)
@@ -491,10 +546,10 @@ def _bwd_pre_kernel(O, DO, DELTA, sob, soh, som, sod, sdob, sdoh, sdom, sdod, Hq
 @triton.jit
 def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod,
                 start, end, n0, cols, kp, kb, offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2,
-                drop_scale, bh, k0, k1, o0, o1, thr,
+                drop_scale, bh, k0, k1, o0, o1, thr, seg_base, seg_k,
                 CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
-                HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
-                DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+                HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+                MASKED: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Transposed tiles: [BLOCK_N keys, BLOCK_M queries]; n0 is the key block's first column.
     for m0 in range(start, end, BLOCK_M):
@@ -507,9 +562,15 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
         lse2 = tl.load(lse_base + rows, mask=r_ok, other=_EMPTY) * _LOG2E
         delta = tl.load(delta_base + rows, mask=r_ok, other=0.0)
         sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-        sT = _scores(sT, (rows + shift)[None, :], cols[:, None], kv_end, window, slope2,
-                     kp[:, None] if HAS_KPM else None, kb[:, None] if HAS_KB else None,
-                     CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, MASKED)
+        if HAS_SEG:
+            seg_q = tl.load(seg_base + rows, mask=r_ok, other=-1)
+        else:
+            seg_q = None
+        keepT = _kept(kp[:, None] if HAS_KPM else None, seg_k[:, None] if HAS_SEG else None,
+                      seg_q[None, :] if HAS_SEG else None, HAS_KPM, HAS_SEG)
+        sT = _scores(sT, (rows + shift)[None, :], cols[:, None], kv_end, window, slope2, keepT,
+                     kb[:, None] if HAS_KB else None,
+                     CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM or HAS_SEG, HAS_KB, MASKED)
         pT = tl.math.exp2(sT - lse2[None, :])
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
         if DROPOUT:
@@ -527,7 +588,7 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, KPM, KB, KVLEN, SEED,
+    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, skpb, skpn, skbb, skbh, skbn,
     Hq, Hkv, Lq, Lk, GROUP, num_n, sm_scale, window, diag, drop_scale,
@@ -535,6 +596,7 @@ def _bwd_dkdv_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
     ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_KVLEN: tl.constexpr,
+    HAS_SEG: tl.constexpr,
     DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
 ):
     DT: tl.constexpr = Q.dtype.element_ty
@@ -563,7 +625,18 @@ def _bwd_dkdv_kernel(
         kp = tl.load(KPM + b64 * skpb + cols * skpn, mask=cols < kv_end, other=0) != 0
     else:
         kp = None
-    lo, full_lo, full_hi, hi = _query_ranges(n0, Lq, shift, kv_end, window, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
+    if HAS_SEG:
+        # this block's key segment ids (-2 past Lk, equal to no row's), and where the last key's
+        # sequence ends (Lq == Lk: SEG_HI is indexed by position)
+        seg_base = SEG + b64 * Lk
+        seg_k = tl.load(seg_base + cols, mask=cols < Lk, other=-2)
+        seg_hi = tl.load(SEG_HI + b64 * Lk + tl.minimum(n0 + BLOCK_N, Lk) - 1)
+    else:
+        seg_base = None
+        seg_k = None
+        seg_hi = Lq
+    lo, full_lo, full_hi, hi = _query_ranges(n0, Lq, shift, kv_end, window, seg_hi, CAUSAL, WINDOWED, HAS_SEG,
+                                             BLOCK_M, BLOCK_N)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -582,18 +655,18 @@ def _bwd_dkdv_kernel(
             dk, dv = _dkdv_steps(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, lo, full_lo, n0, cols, kp, kb,
                 offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
-                k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, True, DT, INTERP, PREC,
-                BLOCK_M, BLOCK_N)
+                k0, k1, o0, o1, t, seg_base, seg_k, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG,
+                DROPOUT, True, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
         dk, dv = _dkdv_steps(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, full_lo, full_hi, n0, cols, kp, kb,
             offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
-            k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, False, DT, INTERP, PREC,
-            BLOCK_M, BLOCK_N)
+            k0, k1, o0, o1, t, seg_base, seg_k, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG,
+            DROPOUT, False, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
         dk, dv = _dkdv_steps(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, full_hi, hi, n0, cols, kp, kb,
             offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
-            k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, True, DT, INTERP, PREC,
-            BLOCK_M, BLOCK_N)
+            k0, k1, o0, o1, t, seg_base, seg_k, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG,
+            DROPOUT, True, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
     dk = dk * sm_scale
     GRAD_DT: tl.constexpr = DK.dtype.element_ty
     tl.store(DK + b64 * sdkb + hk64 * sdkh + cols[:, None] * sdkn + offs_d[None, :] * sdkd,
@@ -605,11 +678,11 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
               start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale,
-              drop_rows, k0, k1, o0, o1, thr,
+              drop_rows, k0, k1, o0, o1, thr, seg_base, seg_q,
               CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
-              HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
-              EVEN_D: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+              MASKED: tl.constexpr, EVEN_D: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
+              PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
         kb = _key_bias(kb_base, skbn, cols, kv_end, HAS_KB, MASKED)
@@ -620,8 +693,15 @@ def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd
             kp = tl.load(kp_base + cols * skpn, mask=cols < kv_end, other=0) != 0
         else:
             kp = None
-        s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, kp[None, :] if HAS_KPM else None,
-                    kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, MASKED)
+        if HAS_SEG:
+            seg_k = tl.load(seg_base + cols, mask=cols < kv_end, other=-2)
+        else:
+            seg_k = None
+        keep = _kept(kp[None, :] if HAS_KPM else None, seg_q[:, None] if HAS_SEG else None,
+                     seg_k[None, :] if HAS_SEG else None, HAS_KPM, HAS_SEG)
+        s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, keep,
+                    kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM or HAS_SEG, HAS_KB,
+                    MASKED)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if DROPOUT:
@@ -634,7 +714,7 @@ def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, SLOPES, KPM, KB, KVLEN, SEED,
+    Q, K, V, DO, LSE, DELTA, DQ, SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
     sdqb, sdqh, sdqm, sdqd, skpb, skpn, skbb, skbh, skbn,
     Hq, Lq, Lk, GROUP, num_m, sm_scale, window, diag, drop_scale,
@@ -642,6 +722,7 @@ def _bwd_dq_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
     ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_KVLEN: tl.constexpr,
+    HAS_SEG: tl.constexpr,
     DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
 ):
     DT: tl.constexpr = Q.dtype.element_ty
@@ -680,24 +761,27 @@ def _bwd_dq_kernel(
     kv_end = _valid_keys(KVLEN, b, Lk, HAS_KVLEN)
     drop_rows = _dropout_rows(bh, Lq, offs_m)
 
+    seg_base, seg_q, seg_lo = _segment_rows(SEG, SEG_LO, b64, Lq, m0, offs_m, row_ok, HAS_SEG)
+
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, full_lo, full_hi, hi = _key_ranges(m0, row_end, shift, kv_end, window, CAUSAL, WINDOWED, BLOCK_N)
+    lo, full_lo, full_hi, hi = _key_ranges(m0, row_end, shift, kv_end, window, seg_lo, CAUSAL, WINDOWED, HAS_SEG,
+                                           BLOCK_N)
     if WINDOWED:
         dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
                    lo, full_lo,
                        pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale, drop_rows,
-                       k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, True,
-                       EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+                       k0, k1, o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
+                       HAS_SEG, DROPOUT, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
     dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
                    full_lo, full_hi,
                    pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale, drop_rows,
-                   k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, False,
-                   EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+                   k0, k1, o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
+                   HAS_SEG, DROPOUT, False, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
     dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
                    full_hi, hi,
                    pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale, drop_rows,
-                   k0, k1, o0, o1, t, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, DROPOUT, True,
-                   EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+                   k0, k1, o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
+                   HAS_SEG, DROPOUT, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
     dq = dq * sm_scale
     GRAD_DT: tl.constexpr = DQ.dtype.element_ty
     tl.store(DQ + b64 * sdqb + h64 * sdqh + offs_m[:, None] * sdqm + offs_d[None, :] * sdqd,
@@ -742,7 +826,7 @@ def check_qkv(q, k, v, head_dims=HEAD_DIMS, value_dims=None) -> tuple[int, int, 
 
 
 def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias, kv_lengths,
-             dropout_p, seed, offset, align, diagonal=0) -> _Opts:
+             dropout_p, seed, offset, align, diagonal=0, segments=None) -> _Opts:
     B, Hq, Hkv, Lq, Lk, D = check_qkv(q, k, v)
     dev = q.device
     o = _Opts()
@@ -783,11 +867,29 @@ def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_
             raise ValueError(f"kv_lengths must be an int32 tensor of shape [{B}] on the inputs' device")
         kv_lengths = kv_lengths.to(torch.int32).contiguous()
     o.kvlen = kv_lengths
+    o.seg = _segments(segments, B, Lq, Lk, dev)
     o.rng = _rng16_args(dropout_p, seed, offset, dev)
     o.dropout = float(dropout_p) > 0.0
     o.interp = dev.type != "cuda"
     o.prec = "ieee" if q.dtype == torch.float32 else "tf32"
     return o
+
+
+def _segments(segments, B, Lq, Lk, dev):
+    """(ids, starts, ends) as [B, L] int32 contiguous tensors, or None: starts[b, i] / ends[b, i]
+    are the first and one past the last position of the sequence of position i (segment ids never
+    decrease along a row, so searchsorted finds them; no host sync)."""
+    if segments is None:
+        return None
+    if Lq != Lk:
+        raise ValueError(f"segments need square scores (Lq == Lk), got Lq {Lq} and Lk {Lk}")
+    if (not isinstance(segments, torch.Tensor) or segments.shape != (B, Lk) or segments.is_floating_point()
+            or segments.dtype == torch.bool or segments.device != dev):
+        raise ValueError(f"segments must be an integer tensor of shape [{B}, {Lk}] on the inputs' device")
+    ids = segments.contiguous()
+    starts = torch.searchsorted(ids, ids, right=False).to(torch.int32)
+    ends = torch.searchsorted(ids, ids, right=True).to(torch.int32)
+    return ids.to(torch.int32), starts, ends
 
 
 def _block(value, default, what):
@@ -802,19 +904,21 @@ def _flags(o: _Opts):
     return {"D": o.D, "BLOCK_D": triton.next_power_of_2(o.D), "CAUSAL": o.causal,
             "WINDOWED": o.window is not None, "BOTTOM_RIGHT": o.bottom_right, "ALIBI": o.slopes is not None,
             "ALIBI_SYM": o.alibi_sym, "HAS_KPM": o.kpm is not None, "HAS_KB": o.kb is not None,
-            "HAS_KVLEN": o.kvlen is not None,
+            "HAS_KVLEN": o.kvlen is not None, "HAS_SEG": o.seg is not None,
             "DROPOUT": o.dropout, "SEED_PTR": o.rng[0] is not None, "INTERP": o.interp, "PREC": o.prec}
 
 
 def _aux(o: _Opts, like):
-    """(SLOPES, KPM, KB, KVLEN, SEED) pointers (placeholders like `like` where unused,
-    fusionpass.kernels.launch says why) and the strides of key_padding and key_bias (0 where
-    broadcast or unused)."""
+    """(SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI) pointers (placeholders like `like` where
+    unused, fusionpass.kernels.launch says why) and the strides of key_padding and key_bias (0
+    where broadcast or unused)."""
     def ptr(t):
         return t if t is not None else absent(like)
     kp_strides = o.kpm.stride() if o.kpm is not None else (0, 0)
     kb_strides = o.kb.stride() if o.kb is not None else (0, 0, 0)
-    return ((ptr(o.slopes), ptr(o.kpm), ptr(o.kb), ptr(o.kvlen), ptr(o.rng[0])), (*kp_strides, *kb_strides))
+    seg = o.seg if o.seg is not None else (None, None, None)
+    return ((ptr(o.slopes), ptr(o.kpm), ptr(o.kb), ptr(o.kvlen), ptr(o.rng[0]), *map(ptr, seg)),
+            (*kp_strides, *kb_strides))
 
 
 _ROPE_HALVES = True  # see _rope_q; False: the partner-load form everywhere
@@ -854,6 +958,7 @@ def attention_fwd(
     offset: int = 0,
     align: str = "top_left",
     diagonal: int = 0,
+    segments: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     rope: tuple | None = None,
     block_m: int | None = None,
@@ -873,6 +978,9 @@ def attention_fwd(
     "top_left" (pos_i = i, SDPA's is_causal) or "bottom_right" (pos_i = i + Lk - Lq); `diagonal`
     (with causal) moves the diagonal by that many keys more (pos_i = i + diagonal top-left): with
     a window of 2w + 1 and diagonal w, a bidirectional band |i - j| <= w (ModernBERT's local layers).
+    `segments` [B, L] integer, Lq == Lk == L, each row nondecreasing: key j is visible to query i
+    only where segments[b, i] == segments[b, j] (packed sequences); the kernels skip the key blocks
+    before each query block's first sequence and the query blocks past each key block's last.
     out: [B, Hq, Lq, D] in q's dtype, contiguous, or written into `out` (any [B, Hq, Lq, D] view of
     q's dtype, e.g. a transpose of a [B, Lq, Hq, D] buffer). lse: [B, Hq, Lq] fp32, natural log of
     the softmax denominator of the scaled, biased scores; EMPTY_LSE for rows that see no key.
@@ -883,7 +991,7 @@ def attention_fwd(
     depend on them beyond fp32 summation order.
     """
     o = _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias,
-                 kv_lengths, dropout_p, seed, offset, align, diagonal)
+                 kv_lengths, dropout_p, seed, offset, align, diagonal, segments)
     B, Hq, Lq, D = o.B, o.Hq, o.Lq, o.D
     if out is None:
         out = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device)
@@ -932,6 +1040,7 @@ def attention_bwd(
     offset: int = 0,
     align: str = "top_left",
     diagonal: int = 0,
+    segments: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -948,7 +1057,7 @@ def attention_bwd(
     (dq_block_m query rows per program, dq_block_n keys per step; defaults _DQ_CFG).
     """
     o = _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias,
-                 kv_lengths, dropout_p, seed, offset, align, diagonal)
+                 kv_lengths, dropout_p, seed, offset, align, diagonal, segments)
     B, Hq, Hkv, Lq, Lk, D = o.B, o.Hq, o.Hkv, o.Lq, o.Lk, o.D
     for t, name in ((do, "do"), (out, "out")):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:

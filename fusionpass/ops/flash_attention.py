@@ -2,7 +2,7 @@
 custom ops (CPU), autograd.
 
     out, lse = flash_attention(q, k, v, key_padding=None, key_bias=None, seed=None,
-                               rope_cos=None, rope_sin=None, *, scale, causal=False, window=0,
+                               rope_cos=None, rope_sin=None, segments=None, *, scale, causal=False, window=0,
                                align_bottom_right=False, diagonal=0, dropout_p=0.0, token_major=False,
                                rope_form="", rotary_dim=0)
 
@@ -17,6 +17,8 @@ scores (BLOOM's ALiBi tensor; no gradient) or None, window 0 = none (else key j 
 pos_i - window < j <= pos_i, with causal), align_bottom_right: pos_i = i + Lk - Lq (else i),
 diagonal: pos_i moved by that many keys more (with causal; ModernBERT's band |i - j| <= w is
 window 2w + 1 at diagonal w),
+segments [B, L] integer (Lq == Lk == L) or None: key j is visible to query i only where
+segments[b, i] == segments[b, j] (packed sequences; each row nondecreasing),
 dropout_p > 0 needs `seed` (a one-element int64 tensor). The math, the RNG and the rows that see
 no key (out 0, lse EMPTY_LSE) are those of fusionpass/kernels/attention.py.
 
@@ -57,8 +59,10 @@ from fusionpass.ops import host
 CPU_BLOCKS: dict[str, int] = {}
 
 
-def _options(key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed) -> dict:
+def _options(key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
+             segments=None) -> dict:
     return dict(
+        segments=segments,
         causal=causal,
         scale=scale,
         window=window or None,
@@ -98,10 +102,11 @@ def _rope(rope_cos, rope_sin, rope_form, rotary_dim):
 
 
 def _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p,
-                    seed, token_major=False, rope=None, blocks=None):
+                    seed, segments=None, token_major=False, rope=None, blocks=None):
     from fusionpass.kernels.attention import attention_fwd
 
-    opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed)
+    opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
+                    segments)
     blocks = {k_: v_ for k_, v_ in (blocks or {}).items() if k_ in ("block_m", "block_n")}
     # the kernel writes any [B, Hq, Lq, D] view: token-major output costs nothing extra
     out = token_major_empty(q) if token_major else None
@@ -109,10 +114,11 @@ def _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align
 
 
 def _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
-                     dropout_p, seed, blocks=None):
+                     dropout_p, seed, segments=None, blocks=None):
     from fusionpass.kernels.attention import attention_bwd
 
-    opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed)
+    opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
+                    segments)
     return attention_bwd(do, q, k, v, out, lse, **opts, **(blocks or {}))
 
 
@@ -120,7 +126,7 @@ def _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal
 # torch reference (CPU without the interpreter)
 
 
-def visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, device, diagonal=0) -> Tensor:
+def visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, device, diagonal=0, segments=None) -> Tensor:
     """The boolean mask [B, 1, Lq, Lk] the kernels apply (True = key visible)."""
     pos = torch.arange(Lq, device=device)[:, None] + (Lk - Lq if align_bottom_right else 0) + diagonal
     j = torch.arange(Lk, device=device)[None, :]
@@ -132,10 +138,13 @@ def visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, device, 
     vis = vis.expand(B, 1, Lq, Lk)
     if key_padding is not None:
         vis = vis & key_padding[:, None, None, :]
+    if segments is not None:
+        vis = vis & (segments[:, None, :, None] == segments[:, None, None, :])
     return vis
 
 
-def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed):
+def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
+               segments=None):
     from fusionpass.kernels.attention import EMPTY_LSE, attention_dropout_constants
     from fusionpass.ops.layer_norm import philox_keep16
 
@@ -147,7 +156,7 @@ def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bott
     s = (q.float() @ kf.transpose(-1, -2)) * (D**-0.5 if scale is None else scale)
     if key_bias is not None:
         s = s + key_bias.float().expand(B, Hq, Lk)[:, :, None, :]
-    vis = visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, q.device, diagonal)
+    vis = visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, q.device, diagonal, segments)
     s = s.masked_fill(~vis, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     empty = torch.isneginf(lse)
@@ -162,12 +171,12 @@ def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bott
 
 
 def _reference_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
-                        diagonal, dropout_p, seed):
+                        diagonal, dropout_p, seed, segments=None):
     # torch.func.vjp, not torch.autograd: this runs inside a custom op's implementation, below the
     # autograd dispatch key, where enable_grad() records nothing
     def forward(q_, k_, v_):
         return _reference(q_, k_, v_, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
-                          dropout_p, seed)[0]
+                          dropout_p, seed, segments)[0]
 
     _, vjp = torch.func.vjp(forward, q, k, v)
     return vjp(do.to(q.dtype))
@@ -180,11 +189,13 @@ def _reference_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, cau
 @torch.library.custom_op("fusionpass::flash_attention_forward_host", mutates_args=())
 def _forward_host(
     q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None = None, key_bias: Tensor | None = None,
-    seed: Tensor | None = None, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None, *, scale: float,
+    seed: Tensor | None = None, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None,
+    segments: Tensor | None = None, *, scale: float,
     causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
     dropout_p: float = 0.0, token_major: bool = False, rope_form: str = "", rotary_dim: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    args = (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed)
+    args = (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
+            segments)
     rope = _rope(rope_cos, rope_sin, rope_form, rotary_dim)
     if host.interpreting():
         out, lse = _kernel_forward(*args, token_major=token_major, rope=rope, blocks=CPU_BLOCKS)
@@ -207,11 +218,12 @@ def _(q, k, v, *_tensors, token_major=False, **_options):
 @torch.library.custom_op("fusionpass::flash_attention_backward_host", mutates_args=())
 def _backward_host(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None = None,
-    key_bias: Tensor | None = None, seed: Tensor | None = None, *, scale: float, causal: bool = False,
-    window: int = 0, align_bottom_right: bool = False, diagonal: int = 0, dropout_p: float = 0.0,
+    key_bias: Tensor | None = None, seed: Tensor | None = None, segments: Tensor | None = None, *, scale: float,
+    causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
+    dropout_p: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     args = (do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
-            dropout_p, seed)
+            dropout_p, seed, segments)
     if host.interpreting():
         dq, dk, dv = _kernel_backward(*args, blocks=CPU_BLOCKS)
     else:
@@ -231,42 +243,45 @@ def _(do, q, k, v, out, lse, *_tensors, **_options):
 @torch.library.triton_op("fusionpass::flash_attention", mutates_args=())
 def flash_attention(
     q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None = None, key_bias: Tensor | None = None,
-    seed: Tensor | None = None, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None, *, scale: float,
+    seed: Tensor | None = None, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None,
+    segments: Tensor | None = None, *, scale: float,
     causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
     dropout_p: float = 0.0, token_major: bool = False, rope_form: str = "", rotary_dim: int = 0,
 ) -> tuple[Tensor, Tensor]:
     _check(q, k, v, dropout_p, seed, window, causal)
     options = dict(scale=scale, key_padding=key_padding, key_bias=key_bias, causal=causal, window=window,
-                   align_bottom_right=align_bottom_right, diagonal=diagonal, dropout_p=dropout_p, seed=seed)
+                   align_bottom_right=align_bottom_right, diagonal=diagonal, dropout_p=dropout_p, seed=seed,
+                   segments=segments)
     rope = dict(rope_cos=rope_cos, rope_sin=rope_sin, rope_form=rope_form, rotary_dim=rotary_dim)
     if q.device.type != "cuda":
         return _forward_host(q, k, v, **options, token_major=token_major, **rope)
     return _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
-                           dropout_p, seed, token_major=token_major,
+                           dropout_p, seed, segments, token_major=token_major,
                            rope=_rope(rope_cos, rope_sin, rope_form, rotary_dim))
 
 
 @torch.library.triton_op("fusionpass::flash_attention_backward", mutates_args=())
 def flash_attention_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None = None,
-    key_bias: Tensor | None = None, seed: Tensor | None = None, *, scale: float, causal: bool = False,
-    window: int = 0, align_bottom_right: bool = False, diagonal: int = 0, dropout_p: float = 0.0,
+    key_bias: Tensor | None = None, seed: Tensor | None = None, segments: Tensor | None = None, *, scale: float,
+    causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
+    dropout_p: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if do.device.type != "cuda":
         return _backward_host(do, q, k, v, out, lse, scale=scale, key_padding=key_padding, key_bias=key_bias,
                               causal=causal, window=window, align_bottom_right=align_bottom_right,
-                              diagonal=diagonal, dropout_p=dropout_p, seed=seed)
+                              diagonal=diagonal, dropout_p=dropout_p, seed=seed, segments=segments)
     return _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
-                            diagonal, dropout_p, seed)
+                            diagonal, dropout_p, seed, segments)
 
 
 def _setup(ctx, inputs, keyword_only_inputs, output):
-    q, k, v, key_padding, key_bias, seed, rope_cos, rope_sin = inputs
+    q, k, v, key_padding, key_bias, seed, rope_cos, rope_sin, segments = inputs
     for what, t in (("key_bias", key_bias), ("RoPE cos/sin", rope_cos), ("RoPE cos/sin", rope_sin)):
         if t is not None and t.requires_grad:
             raise RuntimeError(f"fusionpass::flash_attention does not differentiate its {what}")
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin)
+    ctx.save_for_backward(q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin, segments)
     kw = keyword_only_inputs
     ctx.flags = {n: kw[n] for n in ("scale", "causal", "window", "align_bottom_right", "diagonal", "dropout_p")
                  if n in kw}
@@ -276,20 +291,21 @@ def _setup(ctx, inputs, keyword_only_inputs, output):
 
 def _backward(ctx, dout, _dlse):
     if dout is None:
-        return (None,) * 8
-    q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin = ctx.saved_tensors
+        return (None,) * 9
+    q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin, segments = ctx.saved_tensors
     form, rotary_dim = ctx.rope
     if rope_cos is not None:
         # the forward rotated q as it loaded it; the backward kernels read the rotated q, made
         # here (one rotation launch), and the gradient is rotated back (the transposed map)
         q = torch.ops.fusionpass.rope(q, None, rope_cos, rope_sin, form=form, rotary_dim=rotary_dim)[0]
     dq, dk, dv = torch.ops.fusionpass.flash_attention_backward(
-        dout, q, k, v, out, lse, key_padding=key_padding, key_bias=key_bias, seed=seed, **ctx.flags
+        dout, q, k, v, out, lse, key_padding=key_padding, key_bias=key_bias, seed=seed, segments=segments,
+        **ctx.flags
     )
     if rope_cos is not None:
         dq = torch.ops.fusionpass.rope_backward(dq, None, rope_cos, rope_sin, form=form, rotary_dim=rotary_dim)[0]
     # out (saved) and dout may be token-major or otherwise strided: the kernels read their strides
-    return dq, dk, dv, *(None,) * 5
+    return dq, dk, dv, *(None,) * 6
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup)

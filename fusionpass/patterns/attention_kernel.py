@@ -17,8 +17,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def key_padding_vector(found: masks.MaskKind, mask: fx.Node, args: dict) -> fx.Node:
     """The [B, Lk] bool tensor the mask reads as `padding[batch_idx, kv_idx]`, exactly."""
-    if len({r.source for r in found.runtime}) != 1:
-        raise NearMiss("key padding from several run-time tensors: one key-padding vector only")
+    if len({r.source for r in found.runtime}) != 1 or masks.terms_of(found, masks.SEGMENTS):
+        raise NearMiss("key padding from several run-time tensors, or with sequence segments: one "
+                       "key-padding vector only")
     term = found.runtime[0]
     source, index = term.source, term.index
     q, k, t = g.tensor(args["query"]), g.tensor(args["key"]), g.tensor(source)
@@ -46,6 +47,54 @@ def key_padding_vector(found: masks.MaskKind, mask: fx.Node, args: dict) -> fx.N
     if why is not None:
         raise NearMiss(f"key padding not provably attention_mask[batch, kv]: {why}")
     return source
+
+
+def _nondecreasing_rows(node: fx.Node) -> bool:
+    """Whether every row of `node` [B, L] is provably nondecreasing: a cumsum over the last dim of
+    a bool tensor (transformers' `(diff(position_ids) != 1).cumsum(-1)`)."""
+    if not (isinstance(node, fx.Node) and node.op in ("call_method", "call_function")):
+        return False
+    if node.target not in ("cumsum", torch.cumsum):
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    src = node.args[0]
+    t = g.tensor(node)
+    return (t is not None and dim in (-1, t.dim() - 1) and isinstance(src, fx.Node)
+            and g.dtype(src) == torch.bool and "dtype" not in node.kwargs)
+
+
+def segment_vector(found: masks.MaskKind, mask: fx.Node, args: dict) -> fx.Node:
+    """The [B, L] tensor of sequence-segment ids the mask compares as `seg[batch, q] ==
+    seg[batch, kv]` (packed sequences), exactly, with Lq == Lk == L and each row nondecreasing
+    (the kernel skips the key blocks before a query block's segment). NearMiss otherwise."""
+    (term,) = masks.terms_of(found, masks.SEGMENTS) or (None,)
+    if term is None or len(found.runtime) != 1:
+        raise NearMiss("sequence segments together with other run-time terms (key padding): one segment "
+                       "vector only")
+    q, k, t, m = (g.tensor(n) for n in (args["query"], args["key"], term.source, mask))
+    b_idx, q_idx, kv_idx = term.index
+    why = None
+    if t is None or t.dim() != 2 or m is None or m.dim() != 4 or t.dtype in (torch.bool,) or t.is_floating_point():
+        why = "not a 2-D integer tensor read by a 4-D mask"
+    else:
+        for placement, axis, size, name in ((b_idx, -m.dim(), q.shape[0], "batch"),
+                                             (q_idx, masks.Q_AXIS, q.shape[-2], "query"),
+                                             (kv_idx, masks.KV_AXIS, k.shape[-2], "key")):
+            length = dict(placement.lengths).get(axis)
+            if placement.coef != ((axis, 1),) or placement.const != 0 or length is None or not (
+                statically_known_true(length == size)
+            ):
+                why = f"its {name} index is not arange({size}) on the mask's {name} axis"
+                break
+        if why is None and not (statically_known_true(t.shape[0] == q.shape[0])
+                                and statically_known_true(t.shape[1] == q.shape[-2])
+                                and statically_known_true(q.shape[-2] == k.shape[-2])):
+            why = f"segment tensor of shape {tuple(t.shape)} over {q.shape[-2]} queries and {k.shape[-2]} keys"
+        if why is None and not _nondecreasing_rows(term.source):
+            why = "segment ids not proven nondecreasing along the sequence (a cumsum of a bool tensor)"
+    if why is not None:
+        raise NearMiss(f"sequence segments not provably seg[batch, q] == seg[batch, kv]: {why}")
+    return term.source
 
 
 def kernel_dtypes(m: Match, cfg) -> str | None:

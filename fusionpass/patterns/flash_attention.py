@@ -14,6 +14,11 @@ On by default, where SDPA has no fast kernel for what the model computes:
     collator passes, all ones or not), over square scores (Lq == Lk, no cache): plain compile runs
     SDPA with the materialized [B, 1, L, L] mask there; the kernel reads a [B, Lk] key-padding
     vector (`attention_causal_padding`, on by default; benchmarks/results/latest/flash_attention.md);
+  - SDPA with a causal mask AND the sequence segments of packed sequences (transformers' mask for
+    position ids that restart at each sequence, `DataCollatorWithFlattening`: seg[b, q] ==
+    seg[b, kv] with seg a cumsum over the row, so nondecreasing) over square scores: the kernel
+    reads the [B, L] segment ids and skips the key blocks before each query block's sequence
+    (`attention_packed`, on by default);
   - SDPA with a proven sliding-window mask (Mistral, Gemma-2/3's local layers, Qwen2 with
     use_sliding_window; ModernBERT's bidirectional band |i - j| <= w, the window 2w + 1 on the
     diagonal moved by w, the kernel's `diagonal`), with or without run-time key padding, over
@@ -52,9 +57,9 @@ from fusionpass.patterns import sdpa
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
 
 
-def _kernel_search(kind: str, padded: bool):
+def _kernel_search(kind: str, padded: bool, packed: bool = False):
     """`kind` masks (sliding_window, causal, none), with (`padded`) or without run-time key padding,
-    for fusionpass::flash_attention."""
+    or (`packed`) with the sequence segments of packed sequences, for fusionpass::flash_attention."""
 
     def search(node: fx.Node) -> Match | None:
         args = sdpa.sdpa_arguments(node)
@@ -62,21 +67,24 @@ def _kernel_search(kind: str, padded: bool):
         if not isinstance(mask, fx.Node) or args["is_causal"] is not False or g.dtype(mask) != torch.bool:
             return None
         found = masks.classify(mask)
-        if found.kind != kind or bool(found.runtime) != padded:
+        if found.kind != kind or bool(masks.terms_of(found, masks.SEGMENTS)) != packed:
+            return None
+        if not packed and bool(found.runtime) != padded:
             return None
         if kind == "sliding_window" and (found.window is None or found.window < 1):
             raise NearMiss(f"{found.detail} without a causal bound: the kernel's window needs one")
         key_padding = ak.key_padding_vector(found, mask, args) if padded else None
+        segments = ak.segment_vector(found, mask, args) if packed else None
         key, value = args["key"], args["value"]
         grouped = sdpa.grouped_kv(args)
         if grouped is not None:
             key, value, _ = grouped
         return Match(
-            variant=f"{kind}_kernel" + ("_padded" if padded else ""),
+            variant=f"{kind}_kernel" + ("_packed" if packed else "_padded" if padded else ""),
             anchor=node,
             nodes=[node],
-            bindings=dict(args=args, mask=mask, mask_nodes=found.nodes, kind=kind,
-                          key=key, value=value, key_padding=key_padding, shift=found.shift, window=found.window),
+            bindings=dict(args=args, mask=mask, mask_nodes=found.nodes, kind=kind, key=key, value=value,
+                          key_padding=key_padding, segments=segments, shift=found.shift, window=found.window),
         )
 
     return search
@@ -165,8 +173,8 @@ def _alibi_mask_search(node: fx.Node) -> Match | None:
         variant="alibi_mask_kernel" + ("_padded" if mk.runtime else ""),
         anchor=node,
         nodes=[node],
-        bindings=dict(args=args, mask=found.visible, mask_nodes=[*found.nodes, *mk.nodes], kind=mk.kind, key=key, value=value, key_padding=key_padding,
-                      shift=mk.shift, window=mk.window, key_bias=found.bias, empty_rows=bool(mk.runtime)),
+        bindings=dict(args=args, mask=found.visible, mask_nodes=[*found.nodes, *mk.nodes], kind=mk.kind, key=key,
+                      value=value, key_padding=key_padding, shift=mk.shift, window=mk.window, key_bias=found.bias, empty_rows=bool(mk.runtime)),
     )
 
 
@@ -237,9 +245,11 @@ def kernel_head_dim(m: Match, cfg) -> str | None:
     return None
 
 
-def _is_band(b: dict) -> bool:
-    """A bidirectional band |q - kv| <= w: the window 2w + 1 on the diagonal moved by w."""
-    return b["kind"] == "sliding_window" and b["shift"] > 0 and b["window"] == 2 * b["shift"] + 1
+def _band_over_square(b: dict) -> bool:
+    """A bidirectional band over square scores: the kernel takes it as a window on the diagonal
+    moved by the band's width (`diagonal`)."""
+    lq, lk = g.tensor(b["args"]["query"]).shape[-2], g.tensor(b["key"]).shape[-2]
+    return b["kind"] == "sliding_window" and masks.is_band(b["shift"], b["window"]) and statically_known_true(lq == lk)
 
 
 def kernel_constants(m: Match, cfg) -> str | None:
@@ -254,8 +264,7 @@ def kernel_constants(m: Match, cfg) -> str | None:
         return f"scale {scale!r} is not a constant"
     shift = m.bindings["shift"]
     lq, lk = g.tensor(args["query"]).shape[-2], g.tensor(args["key"]).shape[-2]
-    band = _is_band(m.bindings) and statically_known_true(lq == lk)
-    if shift != 0 and not statically_known_true(lk - lq == shift) and not band:
+    if shift != 0 and not statically_known_true(lk - lq == shift) and not _band_over_square(m.bindings):
         return f"diagonal offset {shift} is neither 0 (top-left) nor Lk - Lq (bottom-right)"
     return None
 
@@ -277,10 +286,10 @@ def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
     else:
         key_bias = None
     # kernel_constants: a shift other than 0 is Lk - Lq (bottom-right), or a band's over square scores
-    band = _is_band(b) and statically_known_true(g.tensor(q).shape[-2] == g.tensor(b["key"]).shape[-2])
+    band = _band_over_square(b)
     options = dict(key_padding=b["key_padding"], key_bias=key_bias, scale=scale, causal=causal,
                    window=b["window"] or 0, align_bottom_right=b["shift"] != 0 and not band,
-                   diagonal=b["shift"] if band else 0, dropout_p=p, seed=seed)
+                   diagonal=b["shift"] if band else 0, dropout_p=p, seed=seed, segments=b.get("segments"))
     value = b["value"]
     dv = g.static_int(g.tensor(value).shape[-1])
     if dv != d:
@@ -329,6 +338,10 @@ def _causal_padding_on(cfg) -> bool:
     return cfg.attention_kernel or cfg.attention_causal_padding
 
 
+def _packed_on(cfg) -> bool:
+    return cfg.attention_kernel or cfg.attention_packed
+
+
 def _sliding_window_on(cfg) -> bool:
     return cfg.attention_kernel or cfg.attention_sliding_window
 
@@ -338,7 +351,7 @@ def _sliding_window_off(cfg) -> bool:
 
 
 # the SDPA masks the default settings send to the kernel over square scores only
-_SQUARE_BY_DEFAULT = {"causal_kernel_padded": "causal key padding",
+_SQUARE_BY_DEFAULT = {"causal_kernel_padded": "causal key padding", "causal_kernel_packed": "packed sequences",
                       "sliding_window_kernel": "a sliding window", "sliding_window_kernel_padded": "a sliding window"}
 
 
@@ -350,8 +363,7 @@ def square_by_default(m: Match, cfg) -> str | None:
         return None
     args = m.bindings["args"]
     lq, lk = g.tensor(args["query"]).shape[-2], g.tensor(args["key"]).shape[-2]
-    diagonal_ok = m.bindings["shift"] == 0 or _is_band(m.bindings)
-    if not diagonal_ok or not statically_known_true(lq == lk):
+    if not (m.bindings["shift"] == 0 and statically_known_true(lq == lk)) and not _band_over_square(m.bindings):
         return f"{what} with {lq} queries over {lk} keys (a cache): {KERNEL_OPT_IN}"
     return None
 
@@ -400,6 +412,10 @@ class Options:
                                         "fusionpass::flash_attention")
     # Off by default: v padded to q's head dim costs the kernel more than plain compile's masked
     # SDPA spends (benchmarks/results/latest/attention_head_dims.md).
+    # On by default: plain compile runs SDPA with the materialized block-diagonal mask over every
+    # key; the kernel skips the key blocks before each query block's sequence.
+    packed: bool = option(True, "SDPA with a causal mask AND the sequence segments of packed sequences (position "
+                                "ids restarting at each sequence, no attention_mask) -> fusionpass::flash_attention")
     mla: bool = option(False, "q/k and v of different head dims (MLA: 192 and 128) on the routes above, v "
                               "padded with zero columns to q's head dim for the kernel")
 
@@ -416,14 +432,16 @@ FLASH_ATTENTION = registry.register(
             "masked_fill, Falcon's ALiBi in scores and mask, GPT-2's matmul / scale / "
             "additive causal mask / softmax / dropout / matmul) and SDPA whose float mask carries a per-key "
             "(ALiBi) bias over a proven causal/all-true mask (+ key padding), SDPA with a causal mask AND "
-            "run-time key padding, and SDPA with a proven sliding-window mask or bidirectional band (+ key "
-            "padding) -> "
+            "run-time key padding or the sequence segments of packed sequences, and SDPA with a proven "
+            "sliding-window mask or bidirectional band (+ key padding) -> "
             "fusionpass::flash_attention; opt-in: SDPA with an all-true mask AND run-time key padding"
         ),
         selected_when=(
             "eager-math attention and ALiBi-biased SDPA masks (our kernel instead of S x S tensors); "
             "causal masks with run-time key padding over square scores unless attention_causal_padding=False; "
             "sliding windows and bands over square scores unless attention_sliding_window=False; "
+            "causal masks of packed sequences (sequence segments from position ids) over square scores unless "
+            "attention_packed=False; "
             "all-true masks with key padding, and causal padding or windows over a cache, only with "
             "attention_kernel=True; "
             "v's head dim under q's (MLA) only with attention_mla=True; "
@@ -441,6 +459,7 @@ FLASH_ATTENTION = registry.register(
             Variant("sliding_window_kernel", _kernel_search("sliding_window", False), when=_sliding_window_on),
             Variant("sliding_window_kernel_padded", _kernel_search("sliding_window", True), when=_sliding_window_on),
             Variant("causal_kernel_padded", _kernel_search("causal", True), when=_causal_padding_on),
+            Variant("causal_kernel_packed", _kernel_search("causal", False, packed=True), when=_packed_on),
             Variant("none_kernel_padded", _kernel_search("none", True), when=_kernel_on),
             Variant("sliding_window_opt_in", _sliding_window_opt_in, when=_sliding_window_off, reports_only=True),
         ),

@@ -9,7 +9,9 @@ matching each spelling, this module evaluates that graph abstractly:
   - an index tensor is an affine function of the mask's axes (`Affine`), axes numbered from the
     right so broadcasting needs no bookkeeping (-1: key position, -2: query position);
   - a comparison of two affine values is a linear constraint `sum(coef * axis) + const <= 0`;
-  - a lookup into a tensor that only exists at run time is a `RuntimeTerm`;
+  - a lookup into a tensor that only exists at run time is a `RuntimeTerm`: key padding
+    `padding[batch, kv]`, or sequence segments `seg[batch, q] == seg[batch, kv]` (the packed
+    sequences transformers finds in position ids);
   - AND collects all of these; `expand`, `.to(device)` and bool casts change nothing.
 
 Any op outside that vocabulary makes the mask unprovable (a near miss with its name).
@@ -79,6 +81,20 @@ class RuntimeTerm:
     # the index values of the lookup `source[index...]`, one Affine per dim of source (for the
     # key-padding route to check it is exactly source[batch, kv])
     index: tuple = dataclasses.field(default=(), compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """`source[index...]` of a tensor that exists only at run time, before it is used: as a mask
+    (key padding, when it reads the key axis only) or compared for equality with another lookup
+    into the same tensor (sequence segments)."""
+
+    source: fx.Node
+    index: tuple  # one Affine per dim of source
+    axes: frozenset  # the mask axes the index reads
+
+
+KEY_PADDING, SEGMENTS, POSITIONS = "key padding", "sequence segments", "positions"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +186,10 @@ def _index_placement(node: fx.Node, src: Affine) -> Affine:
 def _as_mask(value) -> Conjunction:
     if isinstance(value, Conjunction):
         return value
+    if isinstance(value, Lookup):
+        if KV_AXIS in value.axes and Q_AXIS not in value.axes:
+            return Conjunction((), (RuntimeTerm(KEY_PADDING, value.source, value.index),))
+        raise Unprovable("lookup into a run-time tensor by query position")
     if isinstance(value, Constant) and value.value is True:
         return TRUE
     raise Unprovable("AND of a value that is not a proven mask")
@@ -262,6 +282,78 @@ def _diff(node: fx.Node, src, prepend) -> Constant:
     return Constant(k)
 
 
+def _segments(kind: str, a, b) -> Conjunction:
+    """seg[batch, q] == seg[batch, kv] (either order): a query sees only keys of its own sequence
+    segment, with the same batch index and no other term on either side."""
+    if kind != "eq" or not (isinstance(a, Lookup) and isinstance(b, Lookup)) or a.source is not b.source:
+        raise Unprovable(f"`{kind}` of run-time lookups other than seg[batch, q] == seg[batch, kv]")
+    a, b = _query_and_key_lookups(a, b)
+    # (batch, q position, kv position) for attention_kernel.segment_vector to check
+    return Conjunction((), (RuntimeTerm(SEGMENTS, a.source, (a.index[0], a.index[1], b.index[1])),))
+
+
+def _unexpanded(node):
+    """`node` without the `expand` calls on it (an expand repeats rows; it changes no value a
+    lookup at batch b reads)."""
+    while isinstance(node, fx.Node) and _target(node) == "expand":
+        node = node.args[0]
+    return node
+
+
+def _query_and_key_lookups(a: Lookup, b: Lookup):
+    """(batch placement, q Affine, kv Affine) of x[batch, q] and x[batch, kv] (either order) of
+    one tensor, else Unprovable."""
+    if _unexpanded(a.source) is not _unexpanded(b.source):
+        raise Unprovable("comparison of lookups into two run-time tensors")
+    if KV_AXIS in a.axes:
+        a, b = b, a
+    if len(a.index) != 2 or len(b.index) != 2 or a.index[0] != b.index[0]:
+        raise Unprovable("lookups of other than two indices, or of other batch indices")
+    (q_terms, kv_terms) = (a.index[1].terms(), b.index[1].terms())
+    if q_terms != {Q_AXIS: 1} or kv_terms != {KV_AXIS: 1} or a.index[1].const or b.index[1].const:
+        raise Unprovable("lookups not at the query and key positions")
+    return a, b
+
+
+def _positions_compared(kind: str, a: Lookup, b: Lookup) -> Conjunction:
+    """pos[batch, kv] <= pos[batch, q] (and the other comparisons): transformers >= 5.2x's causal
+    rule on packed sequences, position ids read at both indices. Within one sequence segment of
+    those position ids (`classify` requires the mask to AND the segments of the same tensor) the
+    ids step by exactly 1, so the comparison is that of the indices themselves: the constraint is
+    kept on the indices, with a POSITIONS term for `classify` to check."""
+    q_side, kv_side = _query_and_key_lookups(a, b)
+    first_is_q = a is q_side
+    x, y = (q_side.index[1], kv_side.index[1]) if first_is_q else (kv_side.index[1], q_side.index[1])
+    lengths = tuple(sorted(dict(x.lengths + y.lengths).items()))
+    term = RuntimeTerm(POSITIONS, _unexpanded(q_side.source), (q_side.index[0], q_side.index[1], kv_side.index[1]))
+    return Conjunction((_constraint(kind, x, y),), (term,), lengths)
+
+
+def segments_of(node) -> fx.Node | None:
+    """X (without expands) where `node` is transformers' `(diff(X, prepend=X[:, :1] - 1, dim=-1) !=
+    1).cumsum(-1)`: the sequence segments of position ids X, within each of which X steps by 1."""
+    if not (isinstance(node, fx.Node) and _target(node) in ("cumsum", torch.cumsum)):
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    ne = node.args[0]
+    if dim != -1 or not (isinstance(ne, fx.Node) and _target(ne) in (operator.ne, torch.ne, "ne", "__ne__")):
+        return None
+    diff, one = ne.args[:2]
+    if one != 1 or not (isinstance(diff, fx.Node) and _target(diff) is torch.diff):
+        return None
+    if diff.kwargs.get("dim", -1) != -1 or len(diff.args) != 1:
+        return None
+    x, prepend = diff.args[0], diff.kwargs.get("prepend")
+    if not (isinstance(prepend, fx.Node) and _target(prepend) in (operator.sub, torch.sub, "sub")
+            and prepend.args[1] == 1):
+        return None
+    first = prepend.args[0]
+    if not (isinstance(first, fx.Node) and _target(first) is operator.getitem and first.args[0] is x
+            and first.args[1] == (slice(None), slice(None, 1, None))):
+        return None
+    return _unexpanded(x)
+
+
 class MaskAnalysis:
     """Evaluates the nodes that build one mask; results are memoized per node."""
 
@@ -315,6 +407,8 @@ class MaskAnalysis:
             return _index_placement(node, value)
         if t in _EQUALITIES:
             a, b = (self.value(x) for x in node.args[:2])
+            if isinstance(a, Lookup) or isinstance(b, Lookup):
+                return _segments(_EQUALITIES[t], a, b)
             if isinstance(a, Affine) and not a.coef:
                 a = Constant(a.const)
             if isinstance(b, Affine) and not b.coef:
@@ -341,6 +435,11 @@ class MaskAnalysis:
             if isinstance(a, Abs) or isinstance(b, Abs):
                 x = a.of if isinstance(a, Abs) else b.of
                 return Conjunction(_abs_constraints(_COMPARISONS[t], a, b), (), x.lengths)
+            if isinstance(a, Lookup) and isinstance(b, Lookup):
+                return _positions_compared(_COMPARISONS[t], a, b)
+            if isinstance(a, Lookup) or isinstance(b, Lookup):
+                raise Unprovable("comparison of run-time lookups (position ids read at the query and key "
+                                 "indices)")
             if not (isinstance(a, Affine) and isinstance(b, Affine)):
                 raise Unprovable("comparison of non-index values")
             lengths = tuple(sorted(dict(a.lengths + b.lengths).items()))
@@ -353,6 +452,11 @@ class MaskAnalysis:
             return TRUE if g.dtype(node) == torch.bool else Constant(1)
         if t in ("to", "expand", "contiguous"):
             src = self.value(node.args[0])
+            if isinstance(src, Lookup):
+                # (a cast to bool keeps the lookup: key_padding_vector checks the source's dtype)
+                if t == "to" and g.dtype(node) not in (g.dtype(node.args[0]), torch.bool):
+                    raise Unprovable("run-time lookup cast to another dtype")
+                return src
             if t == "to" and g.dtype(node) != g.dtype(node.args[0]):
                 if not (isinstance(src, (Conjunction, Constant)) and g.dtype(node) == torch.bool):
                     raise Unprovable("mask cast to another dtype")
@@ -378,10 +482,8 @@ class MaskAnalysis:
         placements = [self.value(i) for i in index]
         if isinstance(value, Affine):
             return _gathered(node, value, placements)
-        axes = {a for p in placements if isinstance(p, Affine) for a, _ in p.coef}
-        if KV_AXIS in axes and Q_AXIS not in axes:
-            return Conjunction((), (RuntimeTerm("key padding", source, tuple(placements)),))
-        raise Unprovable("lookup into a run-time tensor by query position")
+        axes = frozenset(a for p in placements if isinstance(p, Affine) for a, _ in p.coef)
+        return Lookup(source, tuple(placements), axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,13 +491,22 @@ class MaskKind:
     kind: str  # "none" | "causal" | "causal_offset" | "sliding_window" (bands too) | "other"
     detail: str
     nodes: frozenset[fx.Node]
-    # run-time tensors the mask also depends on (key padding): the mask equals `kind` wherever
-    # all of them are true
+    # run-time tensors the mask also depends on (key padding, sequence segments): the mask equals
+    # `kind` wherever all of them are true
     runtime: tuple[RuntimeTerm, ...] = ()
     # causal and sliding_window: key j is visible to query i iff j <= i + shift (and, with a
     # window, j > i + shift - window), i and j counted from 0 on the mask's query and key axes
     shift: int = 0
     window: int | None = None
+
+
+def terms_of_runtime(runtime, what: str) -> tuple[RuntimeTerm, ...]:
+    return tuple(r for r in runtime if r.what == what)
+
+
+def terms_of(found: MaskKind, what: str) -> tuple[RuntimeTerm, ...]:
+    """The run-time terms of one kind (KEY_PADDING, SEGMENTS) of a classified mask."""
+    return terms_of_runtime(found.runtime, what)
 
 
 def _always_true(c: Constraint, lengths: dict) -> bool:
@@ -412,6 +523,11 @@ def _always_true(c: Constraint, lengths: dict) -> bool:
     return worst <= 0
 
 
+def is_band(shift: int | None, window: int | None) -> bool:
+    """A bidirectional band |q - kv| <= w: the window 2w + 1 on the diagonal moved by w."""
+    return bool(shift) and shift > 0 and window == 2 * shift + 1
+
+
 def classify(mask: fx.Node) -> MaskKind:
     analysis = MaskAnalysis()
     try:
@@ -420,9 +536,21 @@ def classify(mask: fx.Node) -> MaskKind:
         return MaskKind("other", str(why), frozenset(analysis.nodes))
     if isinstance(value, Constant) and value.value is True:
         value = TRUE
+    if isinstance(value, Lookup):
+        try:
+            value = _as_mask(value)
+        except Unprovable as why:
+            return MaskKind("other", str(why), frozenset(analysis.nodes))
     if not isinstance(value, Conjunction):
         return MaskKind("other", "not a boolean mask", frozenset(analysis.nodes))
     nodes = frozenset(analysis.nodes)
+    positions = terms_of_runtime(value.runtime, POSITIONS)
+    if positions:
+        segmented = {segments_of(r.source) for r in terms_of_runtime(value.runtime, SEGMENTS)}
+        if any(r.source not in segmented for r in positions):
+            return MaskKind("other", "position ids compared at the query and key indices without the sequence "
+                            "segments of the same ids", nodes)
+        value = Conjunction(value.constraints, tuple(r for r in value.runtime if r.what != POSITIONS), value.lengths)
     lengths = dict(value.lengths)
     constraints = [c for c in value.constraints if not _always_true(c, lengths)]
     causal = [c for c in constraints if dict(c.coef) == {KV_AXIS: 1, Q_AXIS: -1}]
@@ -440,8 +568,7 @@ def classify(mask: fx.Node) -> MaskKind:
         shift = -causal[0].const if causal else None
         size = None if shift is None else shift + 1 - window[0].const
         # |q - kv| <= w (ModernBERT's local layers) is the window 2w + 1 on the diagonal moved by w
-        what = (f"bidirectional band mask (|q - kv| <= {shift})" if shift and shift > 0 and size == 2 * shift + 1
-                else "sliding-window mask")
+        what = f"bidirectional band mask (|q - kv| <= {shift})" if is_band(shift, size) else "sliding-window mask"
         return MaskKind("sliding_window", what + padding, nodes, runtime, shift=shift, window=size)
     if not causal:
         detail = "bidirectional mask" + padding if runtime else "mask is true everywhere"

@@ -37,6 +37,8 @@ def _search(kind: str):
         found = masks.classify(mask)
         if found.kind != kind or not found.runtime:
             return None
+        if any(r.what != masks.KEY_PADDING for r in found.runtime):
+            return None  # sequence segments: no all-true check makes them vanish
         sources = tuple(dict.fromkeys(r.source for r in found.runtime))
         return Match(variant=f"{kind}_mask_if_unpadded", anchor=node, nodes=[node],
                      bindings=dict(args=args, mask=mask, mask_nodes=found.nodes, padding=sources, kind=kind))

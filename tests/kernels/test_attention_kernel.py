@@ -54,7 +54,7 @@ def keep_prob(p):
 
 def reference(q, k, v, do, *, causal=False, scale=None, window=None, alibi_slopes=None, alibi_symmetric=False,
               key_padding=None, key_bias=None, kv_lengths=None, dropout_p=0.0, mask=None, align="top_left",
-              diagonal=0):
+              diagonal=0, segments=None):
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -81,6 +81,8 @@ def reference(q, k, v, do, *, causal=False, scale=None, window=None, alibi_slope
         vis = vis & key_padding[:, None, None, :]
     if kv_lengths is not None:
         vis = vis & (j < kv_lengths.long()[:, None, None, None])
+    if segments is not None:
+        vis = vis & (segments[:, None, :, None] == segments[:, None, None, :])
     vis = vis.expand(B, Hq, Lq, Lk)
     empty = ~vis.any(-1)
     s = s.masked_fill(~vis, -math.inf)
@@ -246,6 +248,39 @@ def _options(B, Hq, Lk, opts):
     if opts.get("dropout_p", 0) > 0:
         opts["seed"] = torch.tensor([SEED], dtype=torch.int64) if opts.pop("seed_tensor", False) else SEED
     return opts
+
+
+def segment_ids(*rows):
+    """[B, L] int64 segment ids of packed rows, each given by its sequence lengths (what
+    transformers' cumsum over restarting position ids gives: 0, 0, 1, 1, 1, 2, ...)."""
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
+
+
+# (B, Hq, Hkv, L, D, dtype, per-row sequence lengths, options, blocks): sequences of length 1,
+# boundaries on and off the 16-key blocks, a row of one sequence, several sequences inside one
+# block; with key padding, dropout and a block shape whose query and key blocks differ
+PACKED = {
+    "f32-gqa2": (2, 4, 2, 45, 64, F32, ([1, 16, 3, 25], [45]), {}, SMALL),
+    "bf16-mqa-ones": (1, 4, 1, 33, 64, BF16, ([1] * 33,), {}, SMALL),
+    "f16-d80-bm32": (2, 2, 2, 50, 80, F16, ([7, 9, 2, 32], [16, 16, 18]), {}, BM32),
+    "f32-bn32-drop": (1, 4, 2, 47, 64, F32, ([20, 1, 26],), {"dropout_p": 0.1, "seed": SEED}, BN32),
+    "bf16-padded": (2, 4, 4, 40, 64, BF16, ([5, 30, 5], [40]), {"pad": True}, SMALL),
+}
+
+
+@pytest.mark.parametrize("case", list(PACKED))
+def test_packed_segments(case):
+    # packed sequences: causal within each sequence, nothing across them
+    B, Hq, Hkv, L, D, dt, rows, opts, blocks = PACKED[case]
+    opts = dict(opts)
+    q, k, v = rnd((B, Hq, L, D), dt), rnd((B, Hkv, L, D), dt), rnd((B, Hkv, L, D), dt)
+    if opts.pop("pad", False):
+        kp = torch.ones(B, L, dtype=torch.bool)
+        kp[0, 3:9] = False
+        opts["key_padding"] = kp
+    _, _, _, _, _, ref = run_and_check(q, k, v, causal=True, segments=segment_ids(*rows), blocks=blocks, **opts)
+    # the segments cut: a plain causal mask would see more keys
+    assert (ref["vis"].sum() < torch.ones(L, L).tril().sum() * B * Hq)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -487,6 +522,8 @@ def test_bad_arguments():
     _bad("align", causal=True, align="center")
     _bad("diagonal", diagonal=2)
     _bad("diagonal", causal=True, diagonal=1.5)
+    _bad("segments", causal=True, segments=torch.zeros(1, 5))
+    _bad("segments", causal=True, segments=torch.zeros(1, 4, dtype=torch.long))
     _bad("alibi_slopes", alibi_slopes=torch.ones(2))
     _bad("key_padding", key_padding=torch.ones(1, 5, dtype=torch.int32))
     _bad("key_padding", key_padding=torch.ones(1, 4, dtype=torch.bool))

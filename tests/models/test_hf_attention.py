@@ -450,6 +450,27 @@ def test_repeat_kv_copies_are_gone(family):
 # transformers builds a block-diagonal causal mask from them. It must never be proven causal.
 
 
+@pytest.mark.parametrize("train", [True, False], ids=["training", "inference"])
+def test_packed_batch_by_default(monkeypatch, train):
+    # DataCollatorWithFlattening's batch: one row of packed sequences (of lengths 5, 1, 9 and 1),
+    # position ids restarting at each, no attention_mask: the kernel with the sequence segments
+    # (attention_packed), against eager and plain compile
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK")
+    monkeypatch.setitem(DECODER, "num_attention_heads", 2)
+    monkeypatch.setitem(DECODER, "num_key_value_heads", 1)
+    monkeypatch.setitem(DECODER, "head_dim", 64)
+    model = build("llama").train(train)
+    torch.manual_seed(1)
+    ids = torch.randint(1, VOCAB, (1, 2 * SEQ))
+    position_ids = torch.cat([torch.arange(n) for n in (5, 1, 9, 1)])[None]
+    kwargs = {"use_cache": False, "position_ids": position_ids, **({"labels": ids} if train else {})}
+    got, stats = compile_and_count(model, ids, fusions=ATTENTION, train=train, kwargs=kwargs)
+    assert near_misses() == []
+    assert stats == {("flash_attention", "causal_kernel_packed"): LAYERS}
+    assert_outcomes_close(got, eager(model, ids, train=train, kwargs=kwargs), rtol=RTOL_FP32)
+    assert_outcomes_close(got, plain_compile(model, (ids,), kwargs, train), rtol=RTOL_FP32)
+
+
 @pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
 def test_a_packed_batch_is_not_proven_causal(train):
     model = build("llama").train(train)

@@ -732,13 +732,25 @@ class PackedSequences(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
 
 
+def _packed_mask_kind(gm):
+    from fusionpass.patterns import masks
+
+    (sdpa,) = nodes(gm, F.scaled_dot_product_attention)
+    return masks.classify(sdpa.kwargs["attn_mask"])
+
+
 def test_packed_sequences_from_run_time_positions_are_not_causal():
     """Position ids restarting at 0 (two sequences packed in one row), given at run time: the
-    comparison reads a run-time tensor by query position, so the mask is not proven (it is
-    block-diagonal, and rewriting it to is_causal=True would let the second sequence see the first)."""
+    mask is proven causal only within the sequence segments of those ids (a run-time term), never
+    plain causal (is_causal=True would let the second sequence see the first). At this head dim the
+    kernel route does not take it (its near miss); sdpa_mask leaves it."""
+    from fusionpass.patterns import masks
+
     position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
-    assert_miss(PackedSequences(), (*qkv(), position_ids),
-                "mask not provable: lookup into a run-time tensor by query position")
+    gm = assert_miss(PackedSequences(), (*qkv(), position_ids),
+                     f"kernel_head_dim: head dim {D} not in the kernel's (64, 80, 96, 128, 192, 256)")
+    found = _packed_mask_kind(gm)
+    assert found.kind == "causal" and [r.what for r in found.runtime] == [masks.SEGMENTS]
 
 
 @pytest.mark.parametrize("positions", [
@@ -747,11 +759,45 @@ def test_packed_sequences_from_run_time_positions_are_not_causal():
 ], ids=["cat", "remainder"])
 def test_packed_sequences_from_graph_positions_are_not_causal(positions):
     """Restarting position ids built in the graph: the analysis knows no op that restarts an
-    index vector (`cat`, `%`), so the positions are as unknown as a run-time tensor's and the
-    mask stays unproven."""
+    index vector (`cat`, `%`), so the positions are as unknown as a run-time tensor's, and the
+    mask is causal within their sequence segments only."""
+    from fusionpass.patterns import masks
+
     gm = assert_miss(PackedSequences(positions), qkv(),
-                     "mask not provable: lookup into a run-time tensor by query position")
+                     f"kernel_head_dim: head dim {D} not in the kernel's (64, 80, 96, 128, 192, 256)")
     assert nodes(gm, F.scaled_dot_product_attention)[0].kwargs.get("attn_mask") is not None
+    found = _packed_mask_kind(gm)
+    assert found.kind == "causal" and [r.what for r in found.runtime] == [masks.SEGMENTS]
+
+
+def test_packed_sequences_to_the_kernel():
+    """transformers 5.24's packed form at a head dim the kernel takes: flash_attention with the
+    sequence segments, equal to the masked SDPA it replaces."""
+    position_ids = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]])
+    module = PackedSequences()
+    inputs = (torch.randn(B, H, S, 64), torch.randn(B, H, S, 64), torch.randn(B, H, S, 64), position_ids)
+    _, out, record = fused_graph(module, *inputs, fusions=ATTENTION)
+    assert record.matches == {("flash_attention", "causal_kernel_packed"): 1}
+    torch.testing.assert_close(out, module(*inputs), rtol=1e-5, atol=1e-5)
+
+
+class PositionsWithoutSegments(nn.Module):
+    """Position ids compared at the query and key indices with no segment term: not provable (the
+    ids need not step by 1)."""
+
+    def forward(self, q, k, v, position_ids):
+        b, sq = q.shape[0], q.shape[-2]
+        pos = position_ids.expand(b, -1)
+        batch = torch.arange(b)[:, None, None, None]
+        mask = pos[batch, torch.arange(sq)[None, None, None, :]] <= pos[batch, torch.arange(sq)[None, None, :, None]]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(b, -1, sq, sq), is_causal=False)
+
+
+def test_positions_without_their_segments_are_not_provable():
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    assert_miss(PositionsWithoutSegments(), (*qkv(), position_ids),
+                "mask not provable: position ids compared at the query and key indices without the sequence "
+                "segments of the same ids", n=1)
 
 
 def test_unpacked_positions_in_the_packed_form_are_causal():
