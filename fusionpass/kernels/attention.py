@@ -271,6 +271,22 @@ def _kept(kp, seg_rows, seg_cols, HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
 
 
 @triton.jit
+def _key_block_kept(kp_base, skpn, seg_base, seg_q, cols, kv_end, HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+    """_kept for a [rows, keys] tile of the forward and dQ loops: the key block's padding flags and
+    segment ids (-2, no row's id, past the valid keys) against the rows' segment ids seg_q."""
+    if HAS_KPM:
+        kp = tl.load(kp_base + cols * skpn, mask=cols < kv_end, other=0) != 0
+    else:
+        kp = None
+    if HAS_SEG:
+        seg_k = tl.load(seg_base + cols, mask=cols < kv_end, other=-2)
+    else:
+        seg_k = None
+    return _kept(kp[None, :] if HAS_KPM else None, seg_q[:, None] if HAS_SEG else None,
+                 seg_k[None, :] if HAS_SEG else None, HAS_KPM, HAS_SEG)
+
+
+@triton.jit
 def _segment_rows(SEG, SEG_LO, b64, L, m0, rows, row_ok, HAS_SEG: tl.constexpr):
     """With segments ([B, L] contiguous, Lq == Lk == L): row b's base pointer, the segment ids of
     the query rows (-1 past Lq, equal to no key's) and the start of the first row's sequence
@@ -368,16 +384,7 @@ def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn
         kb = _key_bias(kb_base, skbn, cols, kv_end, HAS_KB, MASKED)
         k = _load_kv(k_base + cols[:, None] * skn + offs_d[None, :] * skd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if HAS_KPM:
-            kp = tl.load(kp_base + cols * skpn, mask=cols < kv_end, other=0) != 0
-        else:
-            kp = None
-        if HAS_SEG:
-            seg_k = tl.load(seg_base + cols, mask=cols < kv_end, other=-2)
-        else:
-            seg_k = None
-        keep = _kept(kp[None, :] if HAS_KPM else None, seg_q[:, None] if HAS_SEG else None,
-                     seg_k[None, :] if HAS_SEG else None, HAS_KPM, HAS_SEG)
+        keep = _key_block_kept(kp_base, skpn, seg_base, seg_q, cols, kv_end, HAS_KPM, HAS_SEG)
         s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, keep,
                     kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM or HAS_SEG, HAS_KB,
                     MASKED)
@@ -689,16 +696,7 @@ def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd
         k = _load_kv(k_base + cols[:, None] * skn + offs_d[None, :] * skd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
         v = _load_kv(v_base + cols[:, None] * svn + offs_d[None, :] * svd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if HAS_KPM:
-            kp = tl.load(kp_base + cols * skpn, mask=cols < kv_end, other=0) != 0
-        else:
-            kp = None
-        if HAS_SEG:
-            seg_k = tl.load(seg_base + cols, mask=cols < kv_end, other=-2)
-        else:
-            seg_k = None
-        keep = _kept(kp[None, :] if HAS_KPM else None, seg_q[:, None] if HAS_SEG else None,
-                     seg_k[None, :] if HAS_SEG else None, HAS_KPM, HAS_SEG)
+        keep = _key_block_kept(kp_base, skpn, seg_base, seg_q, cols, kv_end, HAS_KPM, HAS_SEG)
         s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, keep,
                     kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM or HAS_SEG, HAS_KB,
                     MASKED)

@@ -15,6 +15,18 @@ from fusionpass.registry import Match, NearMiss
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _not_aranges(indices) -> str | None:
+    """Why a run-time lookup's indices are not arange(size) placed on their mask axes, or None.
+    indices: (placement, axis, size, name) per index of the lookup."""
+    for placement, axis, size, name in indices:
+        length = dict(placement.lengths).get(axis)
+        if placement.coef != ((axis, 1),) or placement.const != 0 or length is None or not (
+            statically_known_true(length == size)
+        ):
+            return f"its {name} index is not arange({size}) on the mask's {name} axis"
+    return None
+
+
 def key_padding_vector(found: masks.MaskKind, mask: fx.Node, args: dict) -> fx.Node:
     """The [B, Lk] bool tensor the mask reads as `padding[batch_idx, kv_idx]`, exactly."""
     if len({r.source for r in found.runtime}) != 1 or masks.terms_of(found, masks.SEGMENTS):
@@ -31,15 +43,7 @@ def key_padding_vector(found: masks.MaskKind, mask: fx.Node, args: dict) -> fx.N
         why = f"key-padding tensor of dtype {t.dtype}"
     else:
         (b_idx, kv_idx) = index
-        batch_axis = -m.dim()
-        for placement, axis, size, name in ((b_idx, batch_axis, q.shape[0], "batch"),
-                                             (kv_idx, masks.KV_AXIS, k.shape[-2], "key")):
-            length = dict(placement.lengths).get(axis)
-            if placement.coef != ((axis, 1),) or placement.const != 0 or length is None or not (
-                statically_known_true(length == size)
-            ):
-                why = f"its {name} index is not arange({size}) on the mask's {name} axis"
-                break
+        why = _not_aranges(((b_idx, -m.dim(), q.shape[0], "batch"), (kv_idx, masks.KV_AXIS, k.shape[-2], "key")))
         if why is None and not (
             statically_known_true(t.shape[0] == q.shape[0]) and statically_known_true(t.shape[1] == k.shape[-2])
         ):
@@ -77,15 +81,8 @@ def segment_vector(found: masks.MaskKind, mask: fx.Node, args: dict) -> fx.Node:
     if t is None or t.dim() != 2 or m is None or m.dim() != 4 or t.dtype in (torch.bool,) or t.is_floating_point():
         why = "not a 2-D integer tensor read by a 4-D mask"
     else:
-        for placement, axis, size, name in ((b_idx, -m.dim(), q.shape[0], "batch"),
-                                             (q_idx, masks.Q_AXIS, q.shape[-2], "query"),
-                                             (kv_idx, masks.KV_AXIS, k.shape[-2], "key")):
-            length = dict(placement.lengths).get(axis)
-            if placement.coef != ((axis, 1),) or placement.const != 0 or length is None or not (
-                statically_known_true(length == size)
-            ):
-                why = f"its {name} index is not arange({size}) on the mask's {name} axis"
-                break
+        why = _not_aranges(((b_idx, -m.dim(), q.shape[0], "batch"), (q_idx, masks.Q_AXIS, q.shape[-2], "query"),
+                            (kv_idx, masks.KV_AXIS, k.shape[-2], "key")))
         if why is None and not (statically_known_true(t.shape[0] == q.shape[0])
                                 and statically_known_true(t.shape[1] == q.shape[-2])
                                 and statically_known_true(q.shape[-2] == k.shape[-2])):
