@@ -173,8 +173,9 @@ def _alibi_mask_search(node: fx.Node) -> Match | None:
         variant="alibi_mask_kernel" + ("_padded" if mk.runtime else ""),
         anchor=node,
         nodes=[node],
-        bindings=dict(args=args, mask=found.visible, mask_nodes=[*found.nodes, *mk.nodes], kind=mk.kind, key=key,
-                      value=value, key_padding=key_padding, shift=mk.shift, window=mk.window, key_bias=found.bias, empty_rows=bool(mk.runtime)),
+        bindings=dict(args=args, mask=found.visible, mask_nodes=[*found.nodes, *mk.nodes], kind=mk.kind,
+                      key=key, value=value, key_padding=key_padding, shift=mk.shift, window=mk.window,
+                      key_bias=found.bias, empty_rows=bool(mk.runtime)),
     )
 
 
