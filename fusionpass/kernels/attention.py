@@ -26,6 +26,9 @@ a constant per query row, which softmax ignores, so the three give the same atte
 without causal masking; the symmetric form is MPT's bidirectional (`full`) one. The slopes are
 per query head, fp32, read in the kernel; no bias tensor exists.
 
+Key padding also cuts kv_lengths to one past each row's last kept key (`_last_kept_key`): the
+visible keys are the same, and the key blocks after a right-padded row's end are never visited.
+
 A query row that sees no key at all (all keys padded, kv_lengths 0, or a bottom-right row with
 pos_i < 0) gets out = 0 and lse = EMPTY_LSE = 1e30: finite, and large enough that exp(s - lse)
 underflows to 0 for any score, so the backward gives such rows zero gradients even where it did
@@ -44,9 +47,13 @@ they would cost apart. Backward: `_bwd_pre_kernel` computes D; `_bwd_dkdv_kernel
 runs one program per (key block, batch * kv head), loops over the query heads of its group and
 over the query blocks that see the key block (same three-range split), and accumulates dk and dv
 in registers, written once: no atomics; `_bwd_dq_kernel` runs one program per (query block,
-batch * query head) over the key blocks, as the forward. Scores in the dK/dV kernel are kept
-transposed ([keys, queries]) so that dv += P^T dout and dk += dS^T q need no register transpose.
-The probabilities (P Z, dS) are rounded to the input dtype before their matmuls, as FA2 does.
+batch * query head) over the key blocks, as the forward. `_bwd_pre_kernel` also finds, per
+(batch, query head), one past the last row whose dout is not all zero: both kernels stop there
+(`_live_rows`), as rows of zero dout have dP = dS = 0 and add nothing (the rows past a padded
+batch's lengths, which a loss that ignores them gives no gradient; a NaN in dout counts as
+live). Scores in the dK/dV kernel are kept transposed ([keys, queries]) so that dv += P^T dout
+and dk += dS^T q need no register transpose. The probabilities (P Z, dS) are rounded to the
+input dtype before their matmuls, as FA2 does.
 
 Dropout RNG (no mask tensor is ever stored)
 -------------------------------------------
@@ -124,6 +131,11 @@ _RNG16_GROUP = 8
 _FWD_CFG = {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)}
 _DKDV_CFG = {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (16, 64, 8, 2)}
 _DQ_CFG = {64: (64, 32, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
+# Without causal (BERT-style encoders) at D=64: the fastest of a sweep timed as CUDA graphs on the
+# H200 at a BERT shape (benchmarks/probes/padded_attention.py; results/kernel/padded_attention.md);
+# the tables above stay for causal shapes, which that sweep did not time.
+_BIDIRECTIONAL_FWD_CFG = {64: (128, 64, 4, 3)}
+_BIDIRECTIONAL_DKDV_CFG = {64: (32, 128, 4, 2)}
 _PRE_BLOCK_M = 64
 
 
@@ -533,9 +545,10 @@ def _fwd_kernel(
 # Backward
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _bwd_pre_kernel(O, DO, DELTA, sob, soh, som, sod, sdob, sdoh, sdom, sdod, Hq, Lq, num_m,
+def _bwd_pre_kernel(O, DO, DELTA, QEND, sob, soh, som, sod, sdob, sdoh, sdom, sdod, Hq, Lq, num_m,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    # delta[b, h, i] = sum_d dout * out (fp32)
+    # delta[b, h, i] = sum_d dout * out (fp32); q_end[b, h] = one past the last row whose dout is
+    # not all zero (NaN counts as not zero), by an atomic max over the row blocks (`_live_rows`)
     pid = tl.program_id(0)
     pid_m = pid % num_m
     bh = pid // num_m
@@ -548,6 +561,17 @@ def _bwd_pre_kernel(O, DO, DELTA, sob, soh, som, sod, sdob, sdoh, sdom, sdod, Hq
     do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod, mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
+    live = tl.sum((do != 0).to(tl.int32), 1) > 0
+    tl.atomic_max(QEND + bh, tl.max(tl.where(live, offs_m + 1, 0), 0))
+
+
+@triton.jit
+def _live_rows(lo, full_lo, full_hi, hi, q_end, BLOCK_M: tl.constexpr):
+    """_query_ranges cut at q_end (rounded up to a block): the rows from q_end on have dout = 0,
+    so dP = dS = 0 there and they add nothing to dk or dv (the rows past a padded batch's lengths,
+    which a loss that ignores them gives no gradient)."""
+    last = tl.minimum(hi, (q_end + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+    return tl.minimum(lo, last), tl.minimum(full_lo, last), tl.minimum(full_hi, last), last
 
 
 @triton.jit
@@ -595,7 +619,7 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI,
+    Q, K, V, DO, LSE, DELTA, QEND, DK, DV, SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, skpb, skpn, skbb, skbh, skbn,
     Hq, Hkv, Lq, Lk, GROUP, num_n, sm_scale, window, diag, drop_scale,
@@ -658,19 +682,23 @@ def _bwd_dkdv_kernel(
         delta_base = DELTA + bh.to(tl.int64) * Lq
         slope2 = _alibi_slope2(SLOPES, h, ALIBI)
         kb = _key_bias(KB + b64 * skbb + h64 * skbh, skbn, cols, kv_end, HAS_KB, True)
+        h_lo, h_full_lo, h_full_hi, h_hi = _live_rows(lo, full_lo, full_hi, hi, tl.load(QEND + bh), BLOCK_M)
         if CAUSAL:
             dk, dv = _dkdv_steps(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, lo, full_lo, n0, cols, kp, kb,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, h_lo, h_full_lo, n0, cols,
+                kp, kb,
                 offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
                 k0, k1, o0, o1, t, seg_base, seg_k, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG,
                 DROPOUT, True, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
         dk, dv = _dkdv_steps(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, full_lo, full_hi, n0, cols, kp, kb,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, h_full_lo, h_full_hi, n0,
+            cols, kp, kb,
             offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
             k0, k1, o0, o1, t, seg_base, seg_k, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG,
             DROPOUT, False, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
         dk, dv = _dkdv_steps(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, full_hi, hi, n0, cols, kp, kb,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, h_full_hi, h_hi, n0, cols,
+            kp, kb,
             offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
             k0, k1, o0, o1, t, seg_base, seg_k, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG,
             DROPOUT, True, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
@@ -712,7 +740,7 @@ def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI,
+    Q, K, V, DO, LSE, DELTA, QEND, DQ, SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
     sdqb, sdqh, sdqm, sdqd, skpb, skpn, skbb, skbh, skbn,
     Hq, Lq, Lk, GROUP, num_m, sm_scale, window, diag, drop_scale,
@@ -764,6 +792,10 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _key_ranges(m0, row_end, shift, kv_end, window, seg_lo, CAUSAL, WINDOWED, HAS_SEG,
                                            BLOCK_N)
+    # a query block whose dout is zero throughout (past q_end) has dq = 0: no key block is visited
+    hi = tl.where(m0 < tl.load(QEND + bh), hi, lo)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(full_hi, hi)
     if WINDOWED:
         dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
                    lo, full_lo,
@@ -864,6 +896,8 @@ def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_
                 or kv_lengths.device != dev):
             raise ValueError(f"kv_lengths must be an int32 tensor of shape [{B}] on the inputs' device")
         kv_lengths = kv_lengths.to(torch.int32).contiguous()
+    if key_padding is not None and Lk > 0:
+        kv_lengths = _last_kept_key(key_padding, kv_lengths)
     o.kvlen = kv_lengths
     o.seg = _segments(segments, B, Lq, Lk, dev)
     o.rng = _rng16_args(dropout_p, seed, offset, dev)
@@ -871,6 +905,16 @@ def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_
     o.interp = dev.type != "cuda"
     o.prec = "ieee" if q.dtype == torch.float32 else "tf32"
     return o
+
+
+def _last_kept_key(key_padding: torch.Tensor, kv_lengths: torch.Tensor | None) -> torch.Tensor:
+    """kv_lengths cut to one past each row's last kept key: the same visible keys, but the key
+    blocks past a right-padded row's length are skipped instead of masked, so a padded batch costs
+    about what its lengths cost (one [B, Lk] reduction on the device, no host sync)."""
+    Lk = key_padding.shape[-1]
+    last = torch.where(key_padding, torch.arange(1, Lk + 1, device=key_padding.device, dtype=torch.int32),
+                       0).amax(-1)
+    return last if kv_lengths is None else torch.minimum(kv_lengths, last)
 
 
 def _segments(segments, B, Lq, Lk, dev):
@@ -999,7 +1043,10 @@ def attention_fwd(
     if B * Hq * Lq == 0:
         return out, lse
     padded = triton.next_power_of_2(D)
-    bm, bn, warps, stages = _FWD_ROPE_CFG.get(padded, _FWD_CFG[padded]) if rope is not None else _FWD_CFG[padded]
+    if rope is not None:
+        bm, bn, warps, stages = _FWD_ROPE_CFG.get(padded, _FWD_CFG[padded])
+    else:
+        bm, bn, warps, stages = (_FWD_CFG if o.causal else _FWD_CFG | _BIDIRECTIONAL_FWD_CFG)[padded]
     bm = _block(block_m, bm, "block_m")
     bn = _block(block_n, bn, "block_n")
     num_m = triton.cdiv(Lq, bm)
@@ -1074,18 +1121,19 @@ def attention_bwd(
     _, lo, hi, olo, ohi, thr, drop_scale = o.rng
     rng = (lo, hi, olo, ohi, thr)
     delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    q_end = torch.zeros((B, Hq), dtype=torch.int32, device=q.device)
     with _device_guard(q.device):
         num_m = triton.cdiv(Lq, _PRE_BLOCK_M)
         launcher(_bwd_pre_kernel, q)[(num_m * B * Hq,)](
-            out, do, delta, *out.stride(), *do.stride(), Hq, Lq, num_m,
+            out, do, delta, q_end, *out.stride(), *do.stride(), Hq, Lq, num_m,
             D=D, BLOCK_D=pad_d, BLOCK_M=_PRE_BLOCK_M, num_warps=4)
 
-        bm, bn, warps, stages = _DKDV_CFG[pad_d]
+        bm, bn, warps, stages = (_DKDV_CFG if o.causal else _DKDV_CFG | _BIDIRECTIONAL_DKDV_CFG)[pad_d]
         bm = _block(block_m, bm, "block_m")
         bn = _block(block_n, bn, "block_n")
         num_n = triton.cdiv(Lk, bn)
         launcher(_bwd_dkdv_kernel, q)[(num_n * B * Hkv,)](
-            q, k, v, do, lse, delta, dk, dv, *ptrs,
+            q, k, v, do, lse, delta, q_end, dk, dv, *ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *aux_strides,
             Hq, Hkv, Lq, Lk, o.group, num_n, o.scale, o.window or 0, o.diag, float(drop_scale), *rng,
             **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps or warps, num_stages=num_stages or _stages(stages, q))
@@ -1095,7 +1143,7 @@ def attention_bwd(
         bn = _block(dq_block_n, bn, "dq_block_n")
         num_m = triton.cdiv(Lq, bm)
         launcher(_bwd_dq_kernel, q)[(num_m * B * Hq,)](
-            q, k, v, do, lse, delta, dq, *ptrs,
+            q, k, v, do, lse, delta, q_end, dq, *ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *aux_strides,
             Hq, Lq, Lk, o.group, num_m, o.scale, o.window or 0, o.diag, float(drop_scale), *rng,
             **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=dq_num_warps or warps,

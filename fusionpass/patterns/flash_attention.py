@@ -19,14 +19,18 @@ On by default, where SDPA has no fast kernel for what the model computes:
     seg[b, kv] with seg a cumsum over the row, so nondecreasing) over square scores: the kernel
     reads the [B, L] segment ids and skips the key blocks before each query block's sequence
     (`attention_packed`, on by default);
+  - SDPA with an all-true mask AND run-time key padding over square scores (BERT, RoBERTa, XLM-R
+    fine-tuned with a padding collator): plain compile runs SDPA with the materialized mask over
+    every key; the kernel skips the key blocks past each row's last kept key
+    (`attention_padding`, on by default; benchmarks/results/latest/models.md);
   - SDPA with a proven sliding-window mask (Mistral, Gemma-2/3's local layers, Qwen2 with
     use_sliding_window; ModernBERT's bidirectional band |i - j| <= w, the window 2w + 1 on the
     diagonal moved by w, the kernel's `diagonal`), with or without run-time key padding, over
     square scores: plain compile runs SDPA with the materialized window mask, every key block of
     every row; the kernel visits only the blocks inside the window (`attention_sliding_window`, on
     by default; benchmarks/results/latest/attention_windows.md).
-Opt-in (`attention_kernel`): an all-true mask AND run-time key padding, and causal or windowed
-masks over a cache (Lq != Lk): window, alignment and the [B, Lk] key-padding vector read from the
+Opt-in (`attention_kernel`): causal, windowed or all-true masks with key padding over a cache
+(Lq != Lk): window, alignment and the [B, Lk] key-padding vector read from the
 mask's classification, grouped K/V read without repeat_kv, no torch.cond, no host sync. Off by
 default because against SDPA's own kernels it won on some shapes and lost on others
 (benchmarks/results/latest/flash_attention.md).
@@ -331,16 +335,16 @@ def _only(search, variant: str):
     return only
 
 
-def _kernel_on(cfg) -> bool:
-    return cfg.attention_kernel
-
-
 def _causal_padding_on(cfg) -> bool:
     return cfg.attention_kernel or cfg.attention_causal_padding
 
 
 def _packed_on(cfg) -> bool:
     return cfg.attention_kernel or cfg.attention_packed
+
+
+def _padding_on(cfg) -> bool:
+    return cfg.attention_kernel or cfg.attention_padding
 
 
 def _sliding_window_on(cfg) -> bool:
@@ -353,6 +357,7 @@ def _sliding_window_off(cfg) -> bool:
 
 # the SDPA masks the default settings send to the kernel over square scores only
 _SQUARE_BY_DEFAULT = {"causal_kernel_padded": "causal key padding", "causal_kernel_packed": "packed sequences",
+                      "none_kernel_padded": "key padding",
                       "sliding_window_kernel": "a sliding window", "sliding_window_kernel_padded": "a sliding window"}
 
 
@@ -395,13 +400,13 @@ _UNMATCHED = "softmax(scores) @ values in a form this fusion has no rewrite for"
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """flash_attention's opt-in route (settings named attention_*, as before the split)."""
+    """flash_attention's routes (settings named attention_*, as before the split)."""
 
     # Off by default: against SDPA's own kernels it won on some models and lost on others
     # (benchmarks/results/latest/flash_attention.md). Eager-math and ALiBi attention go to the
     # kernel regardless. Where on, it is preferred over sdpa_runtime_check's torch.cond.
-    kernel: bool = option(False, "every SDPA route to the kernel: also all-true masks AND run-time key padding, "
-                                 "and causal or windowed masks over a cache -> fusionpass::flash_attention")
+    kernel: bool = option(False, "every SDPA route to the kernel: also causal, windowed or all-true masks AND "
+                                 "run-time key padding over a cache -> fusionpass::flash_attention")
     # On by default: plain compile runs SDPA with the materialized mask there
     # (benchmarks/results/latest/flash_attention.md).
     causal_padding: bool = option(True, "SDPA with a causal mask AND run-time key padding over square "
@@ -411,12 +416,17 @@ class Options:
     sliding_window: bool = option(True, "SDPA with a proven sliding-window mask or bidirectional band (with or "
                                         "without run-time key padding) over square scores -> "
                                         "fusionpass::flash_attention")
-    # Off by default: v padded to q's head dim costs the kernel more than plain compile's masked
-    # SDPA spends (benchmarks/results/latest/attention_head_dims.md).
     # On by default: plain compile runs SDPA with the materialized block-diagonal mask over every
     # key; the kernel skips the key blocks before each query block's sequence.
     packed: bool = option(True, "SDPA with a causal mask AND the sequence segments of packed sequences (position "
                                 "ids restarting at each sequence, no attention_mask) -> fusionpass::flash_attention")
+    # On by default: plain compile runs SDPA with the materialized [B, 1, L, L] mask over every key;
+    # the kernel skips the key blocks past each row's last kept key, so a padded encoder batch
+    # costs about what its lengths cost (benchmarks/results/latest/models.md).
+    padding: bool = option(True, "SDPA with an all-true mask AND run-time key padding over square scores (an "
+                                 "encoder's padding collator: BERT, RoBERTa, XLM-R) -> fusionpass::flash_attention")
+    # Off by default: v padded to q's head dim costs the kernel more than plain compile's masked
+    # SDPA spends (benchmarks/results/latest/attention_head_dims.md).
     mla: bool = option(False, "q/k and v of different head dims (MLA: 192 and 128) on the routes above, v "
                               "padded with zero columns to q's head dim for the kernel")
 
@@ -433,9 +443,9 @@ FLASH_ATTENTION = registry.register(
             "masked_fill, Falcon's ALiBi in scores and mask, GPT-2's matmul / scale / "
             "additive causal mask / softmax / dropout / matmul) and SDPA whose float mask carries a per-key "
             "(ALiBi) bias over a proven causal/all-true mask (+ key padding), SDPA with a causal mask AND "
-            "run-time key padding or the sequence segments of packed sequences, and SDPA with a proven "
-            "sliding-window mask or bidirectional band (+ key padding) -> "
-            "fusionpass::flash_attention; opt-in: SDPA with an all-true mask AND run-time key padding"
+            "run-time key padding or the sequence segments of packed sequences, SDPA with an all-true mask AND "
+            "run-time key padding, and SDPA with a proven sliding-window mask or bidirectional band (+ key "
+            "padding) -> fusionpass::flash_attention"
         ),
         selected_when=(
             "eager-math attention and ALiBi-biased SDPA masks (our kernel instead of S x S tensors); "
@@ -443,8 +453,8 @@ FLASH_ATTENTION = registry.register(
             "sliding windows and bands over square scores unless attention_sliding_window=False; "
             "causal masks of packed sequences (sequence segments from position ids) over square scores unless "
             "attention_packed=False; "
-            "all-true masks with key padding, and causal padding or windows over a cache, only with "
-            "attention_kernel=True; "
+            "all-true masks with key padding over square scores unless attention_padding=False; "
+            "key padding or windows over a cache only with attention_kernel=True; "
             "v's head dim under q's (MLA) only with attention_mla=True; "
             "fp16/bf16 on CUDA (fp32 is a near miss there, kernel_dtypes)"
         ),
@@ -461,7 +471,7 @@ FLASH_ATTENTION = registry.register(
             Variant("sliding_window_kernel_padded", _kernel_search("sliding_window", True), when=_sliding_window_on),
             Variant("causal_kernel_padded", _kernel_search("causal", True), when=_causal_padding_on),
             Variant("causal_kernel_packed", _kernel_search("causal", False, packed=True), when=_packed_on),
-            Variant("none_kernel_padded", _kernel_search("none", True), when=_kernel_on),
+            Variant("none_kernel_padded", _kernel_search("none", True), when=_padding_on),
             Variant("sliding_window_opt_in", _sliding_window_opt_in, when=_sliding_window_off, reports_only=True),
         ),
         guards=(

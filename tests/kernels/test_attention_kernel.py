@@ -303,12 +303,13 @@ def test_token_major_inputs(dt):
     assert all(t.transpose(1, 2).is_contiguous() for t in (dq, dk, dv))
 
 
-def test_default_launch_config():
-    # The GPU defaults (BLOCK_M 128 / BLOCK_N 64 forward, 32 / 128 dK/dV, 128 / 32 dQ) on a short
-    # sequence: one partial block each way.
+@pytest.mark.parametrize("causal", [True, False])
+def test_default_launch_config(causal):
+    # The GPU's default launches (the causal and the bidirectional tables) on a short sequence: one
+    # partial block each way.
     B, Hq, Hkv, L, D = 1, 2, 1, 33, 64
     q, k, v = rnd((B, Hq, L, D), F16), rnd((B, Hkv, L, D), F16), rnd((B, Hkv, L, D), F16)
-    run_and_check(q, k, v, blocks={}, causal=True, dropout_p=0.1, seed=SEED)
+    run_and_check(q, k, v, blocks={}, causal=causal, dropout_p=0.1, seed=SEED)
 
 
 def test_token_major_out():
@@ -363,6 +364,64 @@ def test_skipped_blocks_are_not_read(window):
     _, dk, dv = attention_bwd(do_nan, q, k, v, out, lse, **opts, **bwd_blocks)
     assert torch.isfinite(dk[..., keys, :]).all() and torch.isfinite(dv[..., keys, :]).all(), \
         "dK/dV kernel read a skipped query block"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_keys_past_the_last_kept_key_are_not_read(causal):
+    # right padding ending mid-block, a hole before it, a row padded whole: v and dout are NaN
+    # wherever key padding is False, and the key blocks past a row's last kept key are skipped,
+    # so no output, lse or gradient of a row that sees a key turns NaN (a masked block that was
+    # visited would give 0 * NaN); the visited blocks' padded keys are masked as before
+    B, L, D = 3, 64, 64
+    q, k, v, do = (rnd((B, 1, L, D), F32) for _ in range(4))
+    kp = torch.ones(B, L, dtype=torch.bool)
+    kp[0, 21:] = False
+    kp[0, 5] = False
+    kp[2] = False
+    opts = {"causal": causal, "key_padding": kp, "block_m": 16, "block_n": 16}
+    bwd_blocks = {"dq_block_m": 16, "dq_block_n": 16}
+    out, lse = attention_fwd(q, k, v, **opts)
+    dq, dk, dv = attention_bwd(do, q, k, v, out, lse, **opts, **bwd_blocks)
+    v_nan = v.clone()
+    v_nan[0, :, 32:] = float("nan")  # the key blocks of row 0 past its last kept key (20)
+    v_nan[2] = float("nan")
+    out_nan, lse_nan = attention_fwd(q, k, v_nan, **opts)
+    assert torch.equal(lse_nan, lse) and torch.equal(out_nan, out), "forward read a key block past the last kept key"
+    dq_nan, dk_nan, dv_nan = attention_bwd(do, q, k, v_nan, out, lse, **opts, **bwd_blocks)
+    assert torch.equal(dq_nan, dq), "dQ kernel read a key block past the last kept key"
+    assert torch.equal(dk_nan, dk) and torch.equal(dv_nan, dv), "dK/dV kernel read a key block past the last kept key"
+    ref = reference(q, k, v, do, causal=causal, key_padding=kp)
+    for name, got in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.allclose(got.double(), ref[name], atol=1e-4), name
+    assert (lse[2] == EMPTY_LSE).all() and not dk[0, :, 21:].any() and not dv[0, :, 21:].any()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_of_zero_dout_are_not_read(causal):
+    # dout zero from row 40 on in batch row 0 (the rows past a padded sequence's length, which the
+    # loss ignores) and throughout in batch row 1: the backward stops at the last live row's block,
+    # so NaN in q past it reaches no gradient; the gradients equal float64's
+    B, L, D = 2, 64, 64
+    q, k, v, do = (rnd((B, 2, L, D), F32) for _ in range(4))
+    do[0, :, 40:] = 0
+    do[1] = 0
+    do[0, 1, 7] = 0  # a zero row before the last live one is visited as any other
+    opts = {"causal": causal, "block_m": 16, "block_n": 16}
+    bwd_blocks = {"dq_block_m": 16, "dq_block_n": 16}
+    out, lse = attention_fwd(q, k, v, **opts)
+    dq, dk, dv = attention_bwd(do, q, k, v, out, lse, **opts, **bwd_blocks)
+    q_nan = q.clone()
+    q_nan[0, :, 48:] = float("nan")
+    q_nan[1] = float("nan")
+    dq_nan, dk_nan, dv_nan = attention_bwd(do, q_nan, k, v, out, lse, **opts, **bwd_blocks)
+    assert torch.equal(dk_nan, dk) and torch.equal(dv_nan, dv), "dK/dV kernel read rows past the last live row"
+    assert torch.equal(dq_nan[0, :, :48], dq[0, :, :48]) and not dq_nan[0, :, 48:].any() and not dq_nan[1].any()
+    ref = reference(q, k, v, do, causal=causal)
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.allclose(got.double(), ref[name], atol=1e-4), name
+    # a NaN in dout is live: it reaches the gradients as it would without the cut
+    do[0, 0, 50, 3] = float("nan")
+    assert attention_bwd(do, q, k, v, out, lse, **opts, **bwd_blocks)[1][0].isnan().any()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -46,12 +46,14 @@ RTOL_FP32 = 1e-4
 @pytest.fixture(autouse=True)
 def _run_time_check_on(monkeypatch):
     """The padded-mask rewrite (torch.cond on one all-true check) is opt-in
-    (Config.attention_runtime_check); these tests exercise it, with causal padding's default kernel
-    route off (at these head dims of 16 the kernel would refuse it anyway, with a near miss).
-    test_causal_padding_by_default checks the default. So is the sliding-window route's, whose near
-    miss these tests read (test_sliding_window_by_default checks the default)."""
+    (Config.attention_runtime_check); these tests exercise it, with the default kernel routes of
+    causal and all-true masks with key padding off (at these head dims of 16 the kernel would
+    refuse them anyway, with a near miss). test_padding_by_default checks the defaults. So is the
+    sliding-window route's, whose near miss these tests read (test_sliding_window_by_default
+    checks the default)."""
     monkeypatch.setenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", "1")
     monkeypatch.setenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING", "0")
+    monkeypatch.setenv("FUSIONPASS_ATTENTION_PADDING", "0")
     monkeypatch.setenv("FUSIONPASS_ATTENTION_SLIDING_WINDOW", "0")
 
 
@@ -73,6 +75,7 @@ DECODER = {
     "eos_token_id": 0,
     "attention_dropout": 0.0,
 }
+ENCODER = {"hidden_size": 64, "num_attention_heads": 4}
 
 
 def skip_without_sdpa(family: str) -> None:
@@ -120,10 +123,9 @@ def build(family: str):
         cls = t.Phi3ForCausalLM
     elif family == "bert":
         config = t.BertConfig(
-            hidden_size=64,
+            **ENCODER,
             intermediate_size=128,
             num_hidden_layers=LAYERS,
-            num_attention_heads=4,
             vocab_size=VOCAB,
             pad_token_id=0,
             hidden_dropout_prob=0.0,
@@ -293,17 +295,26 @@ def test_gpt2_with_attention_mask():
         check("gpt2", "ones", train=True)
 
 
+# widths at which the kernel takes each family's attention (head dim 64)
+KERNEL_WIDTHS = {"llama": (DECODER, {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}),
+                 "bert": (ENCODER, {"hidden_size": 128, "num_attention_heads": 2})}
+
+
 @pytest.mark.parametrize("train", [True, False], ids=["training", "inference"])
 @pytest.mark.parametrize("mask", ["ones", "right", "left"])
-def test_causal_padding_by_default(monkeypatch, mask, train):
-    # the attention_mask a data collator passes: flash_attention's kernel at the default config
-    # (attention_causal_padding), at a head dim the kernel takes, against plain compile
+@pytest.mark.parametrize("family,setting,variant", [("llama", "CAUSAL_PADDING", "causal_kernel_padded"),
+                                                    ("bert", "PADDING", "none_kernel_padded")])
+def test_padding_by_default(monkeypatch, family, setting, variant, mask, train):
+    # the attention_mask a data collator passes (a decoder's causal mask or an encoder's all-true
+    # one, AND key padding): flash_attention's kernel at the default config
+    # (attention_causal_padding, attention_padding), at a head dim the kernel takes, against plain
+    # compile
     monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK")
-    monkeypatch.delenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING")
-    monkeypatch.setitem(DECODER, "num_attention_heads", 2)
-    monkeypatch.setitem(DECODER, "num_key_value_heads", 1)
-    monkeypatch.setitem(DECODER, "head_dim", 64)
-    check_kernel_route("llama", mask, train, "causal_kernel_padded")
+    monkeypatch.delenv(f"FUSIONPASS_ATTENTION_{setting}")
+    config, widths = KERNEL_WIDTHS[family]
+    for key, value in widths.items():
+        monkeypatch.setitem(config, key, value)
+    check_kernel_route(family, mask, train, variant)
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["training", "inference"])

@@ -107,21 +107,28 @@ def test_head_dim_guard():
     assert reason.startswith("kernel_head_dim: head dim 16 not in the kernel's")
 
 
+PADDING_ROUTES = [("causal", "CAUSAL_PADDING", "causal_kernel_padded", "causal key padding"),
+                  ("bidirectional", "PADDING", "none_kernel_padded", "key padding")]
+
+
 @pytest.mark.parametrize("padding_kind", ["ones", "right", "left"])
-def test_causal_padding_by_default(monkeypatch, padding_kind):
-    # attention_causal_padding (on by default) without attention_kernel: causal masks AND run-time
-    # key padding over square scores; left padding leaves query rows that see no key
+@pytest.mark.parametrize("fn,setting,variant,_", PADDING_ROUTES, ids=[r[0] for r in PADDING_ROUTES])
+def test_padding_by_default(monkeypatch, fn, setting, variant, _, padding_kind):
+    # attention_causal_padding and attention_padding (on by default) without attention_kernel:
+    # causal and all-true masks AND run-time key padding over square scores; left padding leaves
+    # causal query rows that see no key; each setting turns its route off
     monkeypatch.delenv("FUSIONPASS_ATTENTION_KERNEL")
-    check(Attention("causal", layers=2), inputs(padding_kind), counts(causal_kernel_padded=2), train=True)
-    monkeypatch.setenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING", "0")
-    _, _, record = fused_graph(Attention("causal").eval(), *inputs(padding_kind), fusions=ATTENTION)
+    check(Attention(fn, layers=2), inputs(padding_kind), counts(**{variant: 2}), train=True)
+    monkeypatch.setenv(f"FUSIONPASS_ATTENTION_{setting}", "0")
+    _, _, record = fused_graph(Attention(fn).eval(), *inputs(padding_kind), fusions=ATTENTION)
     assert record.matches == {}
 
 
-def test_causal_padding_over_more_keys_than_queries_is_opt_in(monkeypatch):
+@pytest.mark.parametrize("fn,_,__,what", PADDING_ROUTES, ids=[r[0] for r in PADDING_ROUTES])
+def test_padding_over_more_keys_than_queries_is_opt_in(monkeypatch, fn, _, __, what):
     # 4 queries over 8 keys with key padding (what a cache gives): only with attention_kernel
     monkeypatch.delenv("FUSIONPASS_ATTENTION_KERNEL")
-    module = Attention("causal").eval()
+    module = Attention(fn).eval()
     q = torch.randn(B, H, 4, D)
     k, v = torch.randn(B, H, 8, D), torch.randn(B, H, 8, D)
     args = (q, k, v, attention_mask("right", batch=B, length=8))
@@ -129,7 +136,7 @@ def test_causal_padding_over_more_keys_than_queries_is_opt_in(monkeypatch):
     assert record.matches == {}
     first = [(f, why.split(":")[0]) for f, _, why in record.near_misses][:1]
     assert first == [("flash_attention", "square_by_default")]
-    assert "causal key padding with 4 queries over 8 keys (a cache)" in record.near_misses[0][2]
+    assert f"{what} with 4 queries over 8 keys (a cache)" in record.near_misses[0][2]
     torch.testing.assert_close(out, module(*args))
 
 

@@ -42,13 +42,15 @@ SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_
 @pytest.fixture(autouse=True)
 def _run_time_check_on(monkeypatch):
     """The padded-mask rewrite (torch.cond on one all-true check) is opt-in
-    (Config.attention_runtime_check); these tests exercise it, so causal padding's default kernel
-    route (attention_causal_padding, which flash_attention takes first) is off here.
-    test_all_true_padding_is_a_near_miss_by_default checks the default there. The sliding-window
+    (Config.attention_runtime_check); these tests exercise it, so the default kernel routes of
+    causal and all-true masks with key padding (attention_causal_padding, attention_padding, which
+    flash_attention takes first) are off here. test_all_true_padding_is_a_near_miss_without_the_
+    kernel_route checks the check's default. The sliding-window
     route (attention_sliding_window) is off too: its near miss is what these tests read
     (test_attention_kernel_patterns.py checks the route)."""
     monkeypatch.setenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", "1")
     monkeypatch.setenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING", "0")
+    monkeypatch.setenv("FUSIONPASS_ATTENTION_PADDING", "0")
     monkeypatch.setenv("FUSIONPASS_ATTENTION_SLIDING_WINDOW", "0")
 
 
@@ -673,11 +675,11 @@ def test_rotary_query_with_padding_inference():
     assert_outcomes_close(got, eager(module, *inputs))
 
 
-def test_all_true_padding_is_a_near_miss_by_default(monkeypatch):
-    # (causal AND key padding goes to flash_attention's kernel by default, attention_causal_padding:
-    # tests/patterns/test_attention_kernel_patterns.py, at the kernel's head dims)
+def test_all_true_padding_is_a_near_miss_without_the_kernel_route(monkeypatch):
+    # (all-true or causal masks AND key padding go to flash_attention's kernel by default,
+    # attention_padding and attention_causal_padding: tests/patterns/test_attention_kernel_patterns.py,
+    # at the kernel's head dims; off here)
     monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK")
-    monkeypatch.delenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING")
     module = Attention("bidirectional").eval()
     inputs = inputs_for("ones")
     _, out, record = fused_graph(module, *inputs, fusions=ATTENTION)
