@@ -421,6 +421,8 @@ SMOKE_CONFIG = {
                        vocab_size=256),
     "BloomConfig": dict(hidden_size=128, n_layer=1, n_head=2, vocab_size=256),
     "FalconConfig": dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, vocab_size=256),
+    "XLMRobertaConfig": dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=256,
+                             vocab_size=256),
     "ModernBertConfig": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                              vocab_size=256, pad_token_id=0, local_attention=8,
                              layer_types=["full_attention", "sliding_attention"]),
@@ -445,6 +447,13 @@ class ModelCase:
     packed: int = 0
     # also time fusionpass without this fusion (what that one fusion gives the whole step)
     without: str | None = None
+    # right padding: each row's length uniform in [lo, hi] (a padding collator's batch), the
+    # collator's attention_mask passed
+    lengths: tuple[int, int] | None = None
+    # sequence classification: a class label per row, from this many classes (else token labels)
+    classes: int = 0
+    # also time the model uncompiled
+    eager: bool = False
 
     @property
     def mode(self) -> str:
@@ -464,6 +473,8 @@ def model_cases(smoke):
     falcon = dict(alibi, num_hidden_layers=4, num_attention_heads=16, alibi=True, new_decoder_architecture=False,
                   multi_query=False, parallel_attn=False, bias=True)
 
+    xlmr = dict(vocab_size=250002, max_position_embeddings=514, type_vocab_size=1, pad_token_id=1)
+    seq_cls = "AutoModelForSequenceClassification"
     gemma3 = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=6, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=256, vocab_size=32000, max_position_embeddings=8192,
                   sliding_window=512)
@@ -491,6 +502,17 @@ def model_cases(smoke):
                   hf_model("GPT2Config", causal_lm, "eager", smoke, n_layer=6), True, *shape(16, 1024)),
         ModelCase("BERT-base MLM widths 6L, sdpa", hf_model("BertConfig", mlm, "sdpa", smoke, num_hidden_layers=6),
                   True, *shape(32, 512)),
+        # encoders fine-tuned with a padding collator (issue 19's bar): lengths uniform in 64..512,
+        # and the same model with no row padded (the kernel route cannot tell at compile time)
+        ModelCase("XLM-RoBERTa-base widths 6L, sequence classification, right padding 64..512",
+                  hf_model("XLMRobertaConfig", seq_cls, "sdpa", smoke, **xlmr, num_hidden_layers=6), True,
+                  *shape(32, 512), lengths=(4, 16) if smoke else (64, 512), classes=2, eager=True),
+        ModelCase("XLM-RoBERTa-base widths 6L, sequence classification, all-ones attention_mask",
+                  hf_model("XLMRobertaConfig", seq_cls, "sdpa", smoke, **xlmr, num_hidden_layers=6), True,
+                  *shape(32, 512), True, classes=2, eager=True),
+        ModelCase("BERT-base 12L, sequence classification, right padding 64..512",
+                  hf_model("BertConfig", seq_cls, "sdpa", smoke), True, *shape(32, 512),
+                  lengths=(4, 16) if smoke else (64, 512), classes=2, eager=True),
         # a band |i - j| <= 64 in two layers of three (local_attention 128), the others global
         ModelCase("ModernBERT-base MLM widths 8L, sdpa",
                   hf_model("ModernBertConfig", mlm, "sdpa", smoke, num_hidden_layers=8), True, *shape(32, 512)),
@@ -661,8 +683,10 @@ def _near_miss(fusion):
     return misses[0] if misses else "no anchor found"
 
 
-def measure(run: Run, order: int, case_name, module, inputs, kwargs, train, fusions, settings, without, timing):
-    """Time plain torch.compile, fusionpass (and fusionpass without one fusion) side by side.
+def measure(run: Run, order: int, case_name, module, inputs, kwargs, train, fusions, settings, without, timing,
+            eager=False):
+    """Time plain torch.compile, fusionpass (and fusionpass without one fusion, and the model
+    uncompiled) side by side.
     `order` alternates which side compiles first, so neither always pays the process's colder
     first compile."""
     wanted = [registered(f) for f in fusions]
@@ -684,6 +708,11 @@ def measure(run: Run, order: int, case_name, module, inputs, kwargs, train, fusi
         leaves = [t for t in ins if isinstance(t, torch.Tensor) and t.requires_grad] + list(m.parameters())
         compiled = torch.compile(m, backend=backends[name], dynamic=False)
         steps[name] = _step(compiled, ins, train, leaves if train else (), kwargs)
+    if eager:
+        m = copy.deepcopy(module).train(train)
+        ins = _leaves(m, inputs, train)
+        leaves = [t for t in ins if isinstance(t, torch.Tensor) and t.requires_grad] + list(m.parameters())
+        steps["eager"] = _step(m, ins, train, leaves if train else (), kwargs)
     first_s, matched, variants, pass_s, note = {}, {}, {}, 0.0, ""
     sides = ["plain", "fusionpass"] if order % 2 == 0 else ["fusionpass", "plain"]
     for name in sides + (["without"] if without else []):
@@ -708,6 +737,8 @@ def measure(run: Run, order: int, case_name, module, inputs, kwargs, train, fusi
         "first_call_s": {k: round(v, 2) for k, v in first_s.items()}, "compiled_first": sides[0],
         "pass_s": round(pass_s, 3),
     }
+    if eager:
+        row["eager_ms"] = round(ms["eager"], 4)
     if without:
         row["without"] = without
         row["without_ms"] = round(ms["without"], 4)
@@ -796,8 +827,14 @@ def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None) -> list
             model, _ = case.build(run.device, dtype)
             ids = torch.randint(0, model.config.vocab_size, (case.batch, case.seq), device=run.device)
             kwargs = {"labels": ids} if case.train else {}
+            if case.train and case.classes:
+                kwargs["labels"] = torch.randint(0, case.classes, (case.batch,), device=run.device)
             if case.all_ones_mask:
                 kwargs["attention_mask"] = torch.ones_like(ids)
+            if case.lengths:
+                gen = torch.Generator().manual_seed(0)
+                lengths = torch.randint(case.lengths[0], case.lengths[1] + 1, (case.batch, 1), generator=gen)
+                kwargs["attention_mask"] = (torch.arange(case.seq) < lengths).long().to(run.device)
             if case.packed:
                 per = case.seq // case.packed
                 kwargs["position_ids"] = (torch.arange(case.seq, device=run.device) % per)[None].expand(case.batch, -1)
@@ -805,7 +842,7 @@ def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None) -> list
                 # one when use_cache is on, and then masks the row as one sequence)
                 kwargs["use_cache"] = False
             row = measure(run, i, case.name, model, (ids,), kwargs, case.train, every, {}, case.without,
-                          run.model_timing)
+                          run.model_timing, case.eager)
             # every fusion is on; which ones matched is the model's business, not a failure
             row["matched"] = {f: n for f, n in row["matched"].items() if n}
             row.pop("variants")
@@ -844,6 +881,7 @@ KERNEL_COLUMNS = [("case", "case"), ("mode", "mode"), ("dtype", "dtype"), ("plai
                   ("note", "note")]
 MODEL_COLUMNS = [c for c in KERNEL_COLUMNS if c[0] not in ("default_rule", "first_call_s")]
 MODEL_COLUMNS.insert(6, ("tokens_per_s", "fusionpass tokens/s"))
+MODEL_COLUMNS.insert(7, ("eager_ms", "eager ms"))
 REGIONAL_COLUMNS = [*MODEL_COLUMNS[:-1], ("graphs", "fusionpass graphs compiled"), MODEL_COLUMNS[-1]]
 COMPILE_COLUMNS = [("case", "model"), ("mode", "mode"), ("plain_s", "plain first step s"),
                    ("fusionpass_s", "fusionpass first step s"), ("added", "added (fusionpass / plain - 1)"),

@@ -1,0 +1,154 @@
+"""Issue 19 probe: bidirectional attention with run-time key padding at BERT/XLM-R shapes, our
+kernel against what plain torch.compile runs there (SDPA with the materialized [B, 1, L, L]
+boolean mask: the memory-efficient kernel over every key), timed as CUDA graphs so that neither
+side's host launch cost counts (GPU-bound). Forward, and forward + backward, for an all-ones
+attention_mask and for right padding with lengths uniform in 64..512 (dout zero past each length,
+as the model's loss gives it). Then a sweep of the
+kernels' launches at head dim 64 (forward, dK/dV, dQ), all-ones.
+
+    python benchmarks/probes/padded_attention.py [--out FILE.json] [--no-sweep]
+"""
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from fusionpass.kernels import attention as ak
+
+B, H, L, D = 32, 12, 512, 64
+BF16 = torch.bfloat16
+
+
+def graph_ms(fn, rounds=5, replays=20):
+    """Median ms of one fn() replayed from a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    samples = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / replays)
+    return statistics.median(samples)
+
+
+def inputs(lengths):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, L, D, device="cuda", dtype=BF16, generator=gen) for _ in range(4))
+    kp = torch.arange(L, device="cuda")[None, :] < lengths[:, None]
+    # dout is zero at the rows past each length, as a loss that ignores padding makes it
+    return q, k, v, do * kp[:, None, :, None], kp
+
+
+def sdpa_steps(q, k, v, do, kp):
+    """Plain compile's call: SDPA with the [B, 1, L, L] boolean mask (memory-efficient kernel)."""
+    mask = kp[:, None, None, :].expand(B, 1, L, L).contiguous()
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+    def fwd():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def fwd_bwd():
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask)
+        torch.autograd.grad(out, (qg, kg, vg), do)
+
+    return fwd, fwd_bwd
+
+
+def kernel_steps(q, k, v, do, kp, fwd_cfg=None, bwd_cfg=None):
+    fwd_cfg, bwd_cfg = fwd_cfg or {}, bwd_cfg or {}
+    out, lse = ak.attention_fwd(q, k, v, key_padding=kp, **fwd_cfg)
+
+    def fwd():
+        return ak.attention_fwd(q, k, v, key_padding=kp, **fwd_cfg)
+
+    def bwd():
+        return ak.attention_bwd(do, q, k, v, out, lse, key_padding=kp, **bwd_cfg)
+
+    def fwd_bwd():
+        o, s = ak.attention_fwd(q, k, v, key_padding=kp, **fwd_cfg)
+        return ak.attention_bwd(do, q, k, v, o, s, key_padding=kp, **bwd_cfg)
+
+    return fwd, bwd, fwd_bwd
+
+
+def max_error(q, k, v, do, kp):
+    """Kernel and SDPA against float64, forward and backward: the larger |error| of each."""
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=kp[:, None, None, :])
+    grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    out, lse = ak.attention_fwd(q, k, v, key_padding=kp)
+    ours = (out, *ak.attention_bwd(do, q, k, v, out, lse, key_padding=kp))
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=kp[:, None, None, :].expand(B, 1, L, L))
+    theirs = (o, *torch.autograd.grad(o, (qg, kg, vg), do))
+    refs = (ref, *grads)
+    return {name: {"kernel": (a.double() - r).abs().max().item(), "sdpa": (b.double() - r).abs().max().item()}
+            for name, a, b, r in zip(("out", "dq", "dk", "dv"), ours, theirs, refs)}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--no-sweep", action="store_true", help="the two batches only")
+    args = parser.parse_args()
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    result = {"shape": f"B{B} H{H} L{L} D{D} bf16, bidirectional, key padding", "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "rows": [], "sweep": []}
+    gen = torch.Generator().manual_seed(0)
+    batches = {"all ones": torch.full((B,), L),
+               "right padding 64..512": torch.randint(64, L + 1, (B,), generator=gen)}
+    for name, lengths in batches.items():
+        q, k, v, do, kp = inputs(lengths.cuda())
+        s_fwd, s_fb = sdpa_steps(q, k, v, do, kp)
+        k_fwd, k_bwd, k_fb = kernel_steps(q, k, v, do, kp)
+        row = {"batch": name, "mean length": lengths.float().mean().item(),
+               "sdpa fwd ms": graph_ms(s_fwd), "kernel fwd ms": graph_ms(k_fwd),
+               "sdpa fwd+bwd ms": graph_ms(s_fb), "kernel fwd+bwd ms": graph_ms(k_fb),
+               "kernel bwd ms": graph_ms(k_bwd), "max |error| vs float64": max_error(q, k, v, do, kp)}
+        print(json.dumps(row), flush=True)
+        result["rows"].append(row)
+
+    q, k, v, do, kp = inputs(torch.full((B,), L, device="cuda"))
+    sweeps = {} if args.no_sweep else {
+        "fwd": [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+                for bm, bn, w, s in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3),
+                                     (128, 128, 8, 2), (128, 32, 4, 4))],
+        "dkdv": [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+                 for bm, bn, w, s in ((64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+                                      (32, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2), (32, 128, 8, 3))],
+        "dq": [dict(dq_block_m=bm, dq_block_n=bn, dq_num_warps=w, dq_num_stages=s)
+               for bm, bn, w, s in ((64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3),
+                                    (64, 64, 4, 2), (32, 64, 4, 3), (128, 64, 4, 2))],
+    }
+    for which, cfgs in sweeps.items():
+        for cfg in cfgs:
+            try:
+                if which == "fwd":
+                    fn = kernel_steps(q, k, v, do, kp, fwd_cfg=cfg)[0]
+                else:
+                    fn = kernel_steps(q, k, v, do, kp, bwd_cfg=cfg)[1]
+                entry = {"kernel": which, **cfg, "ms": graph_ms(fn)}
+            except Exception as e:  # a launch that does not fit (shared memory)
+                entry = {"kernel": which, **cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            print(json.dumps(entry), flush=True)
+            result["sweep"].append(entry)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
