@@ -259,12 +259,13 @@ def sdpa_mask_cases(smoke):
 
 
 def flash_attention_cases(smoke):
-    from fusionpass.conformance.cases_attention import GPT2, Bloom, Llama
+    from fusionpass.conformance.cases_attention import GPT2, Bert, Bloom, Llama
 
     Shape = _attention_shapes()
     fusion = ("flash_attention",)
     gpt2, bloom, llama = ((Shape(1, 2, 2, 64, 64),) * 2 + (Shape(1, 4, 2, 64, 64),)) if smoke else (
         Shape(16, 12, 12, 1024, 64), Shape(8, 16, 16, 2048, 64), Shape(4, 16, 4, 2048, 128))
+    bert = Shape(2, 2, 2, 64, 64) if smoke else Shape(32, 12, 12, 512, 64)
     llama_right, llama_short = (Shape(2, 4, 2, 64, 64),) * 2 if smoke else (
         Shape(8, 16, 4, 1024, 128), Shape(32, 16, 4, 128, 64))
     return [
@@ -280,6 +281,10 @@ def flash_attention_cases(smoke):
                attention_layers(Llama, shape, pad, impl="sdpa"), train, fusion, True)
           for pad, shape, train in (("ones", llama, True), ("ones", llama, False), ("right", llama_right, True),
                                     ("ones", llama_short, True))),
+        # an encoder's padding collator (all-true mask AND key padding, on by default): right
+        # padding (row r of B loses r * L // (B + 1) tokens) and all ones
+        *(Case(f"BERT sdpa + {pad} key padding {bert}", attention_layers(Bert, bert, pad), True, fusion, True)
+          for pad in ("right", "ones")),
     ]
 
 
