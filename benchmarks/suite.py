@@ -663,7 +663,9 @@ class Run:
 
     @property
     def model_timing(self) -> dict:
-        return dict(rounds=1, iters=1, warmup=0) if self.smoke else dict(rounds=3, iters=3, warmup=1)
+        # short steps (an encoder's ~15 ms) get more calls per sample: samples of at least 300 ms
+        return dict(rounds=1, iters=1, warmup=0) if self.smoke else dict(rounds=5, iters=3, warmup=1,
+                                                                          min_sample_ms=300.0)
 
     def backend(self, fusions, settings):
         return fusionpass.backend(fusions=fusions, cpu=self.device == "cpu", **settings)

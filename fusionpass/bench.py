@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -30,14 +31,25 @@ def _sync(device: str) -> None:
 
 def time_interleaved(
     fns: dict[str, Callable[[], object]], device: str, rounds: int = 5, iters: int = 10, warmup: int = 3,
-    on_round: Callable[[int], None] | None = None,
+    on_round: Callable[[int], None] | None = None, min_sample_ms: float = 0.0,
 ) -> dict[str, float]:
     """Median milliseconds per call of each fn; each round times every fn once, in turn.
-    `on_round(i)` is called before round i (0-based) starts: progress for long runs."""
+    `on_round(i)` is called before round i (0-based) starts: progress for long runs.
+    `min_sample_ms`: more iterations per sample where `iters` calls of the slowest fn would take
+    less (one untimed-for-the-result call of each fn measures them): short steps get samples as
+    long as long steps', so a round is not a handful of milliseconds of a noisy machine."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     _sync(device)
+    if min_sample_ms > 0:
+        slowest = 0.0
+        for fn in fns.values():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            slowest = max(slowest, (time.perf_counter() - t0) * 1e3)
+        iters = max(iters, math.ceil(min_sample_ms / max(slowest, 1e-3)))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(rounds):
         if on_round is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 
 import pytest
 
@@ -161,3 +162,21 @@ def test_png_chart(tmp_path):
     result = bench.BenchResult(subject, bench.BenchOptions(), rows, [])
     bench_report.write_bench_png(result, tmp_path / "chart.png")
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_short_steps_get_longer_samples():
+    # min_sample_ms: a 2 ms call timed in samples of at least 30 ms (15 calls), not of `iters` (3)
+    calls = {"fast": 0, "slow": 0}
+
+    def fast():
+        calls["fast"] += 1
+
+    def slow():
+        calls["slow"] += 1
+        time.sleep(0.002)
+
+    bench.time_interleaved({"fast": fast, "slow": slow}, "cpu", rounds=2, iters=3, warmup=1, min_sample_ms=30)
+    # one warm-up, one measuring call, two rounds of at least 15 calls (the slowest fn sets them)
+    assert calls["fast"] == calls["slow"] >= 2 + 2 * 15
+    bench.time_interleaved({"slow": slow}, "cpu", rounds=2, iters=3, warmup=1)
+    assert calls["slow"] - calls["fast"] == 1 + 2 * 3
