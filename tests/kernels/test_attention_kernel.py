@@ -424,6 +424,21 @@ def test_rows_of_zero_dout_are_not_read(causal):
     assert attention_bwd(do, q, k, v, out, lse, **opts, **bwd_blocks)[1][0].isnan().any()
 
 
+@pytest.mark.parametrize("opts", [{"causal": False, "dropout_p": 0.3, "seed": SEED}, {"causal": True},
+                                  {"causal": True, "window": 9, "dropout_p": 0.1, "seed": SEED}],
+                         ids=["bidirectional-dropout", "causal", "window-dropout"])
+def test_padded_batch_as_a_model_gives_it(opts):
+    # a right-padded batch as an encoder or an SFT decoder sees it: key padding of three lengths
+    # (one ending mid-block, one a whole row), dout zero past each length (the loss ignores
+    # padding); GQA, bf16: both skips at once, with dropout, against float64
+    B, Hq, Hkv, L, D = 3, 4, 2, 45, 64
+    q, k, v = rnd((B, Hq, L, D), BF16), rnd((B, Hkv, L, D), BF16), rnd((B, Hkv, L, D), BF16)
+    lengths = torch.tensor([45, 21, 7])
+    kp = torch.arange(L)[None, :] < lengths[:, None]
+    do = rnd((B, Hq, L, D), BF16) * kp[:, None, :, None]
+    run_and_check(q, k, v, do=do, key_padding=kp, **opts)
+
+
 # --------------------------------------------------------------------------------------------------
 # Dropout
 # --------------------------------------------------------------------------------------------------
