@@ -44,10 +44,10 @@ def _run_time_check_on(monkeypatch):
     """The padded-mask rewrite (torch.cond on one all-true check) is opt-in
     (Config.attention_runtime_check); these tests exercise it, so the default kernel routes of
     causal and all-true masks with key padding (attention_causal_padding, attention_padding, which
-    flash_attention takes first) are off here. test_all_true_padding_is_a_near_miss_without_the_
-    kernel_route checks the check's default. The sliding-window
-    route (attention_sliding_window) is off too: its near miss is what these tests read
-    (test_attention_kernel_patterns.py checks the route)."""
+    flash_attention takes first) are off here.
+    test_all_true_padding_is_a_near_miss_without_the_kernel_route checks the check's default. The
+    sliding-window route (attention_sliding_window) is off too: its near miss is what these tests
+    read (test_attention_kernel_patterns.py checks the route)."""
     monkeypatch.setenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", "1")
     monkeypatch.setenv("FUSIONPASS_ATTENTION_CAUSAL_PADDING", "0")
     monkeypatch.setenv("FUSIONPASS_ATTENTION_PADDING", "0")
