@@ -6,7 +6,7 @@ attention_mask and for right padding with lengths uniform in 64..512 (dout zero 
 as the model's loss gives it). Then a sweep of the
 kernels' launches at head dim 64 (forward, dK/dV, dQ), all-ones.
 
-    python benchmarks/probes/padded_attention.py [--out FILE.json] [--no-sweep]
+    python benchmarks/probes/padded_attention.py [--out FILE.json] [--no-sweep] [--dropout P]
 """
 import argparse
 import json
@@ -52,23 +52,24 @@ def inputs(lengths):
     return q, k, v, do * kp[:, None, :, None], kp
 
 
-def sdpa_steps(q, k, v, do, kp):
+def sdpa_steps(q, k, v, do, kp, dropout_p=0.0):
     """Plain compile's call: SDPA with the [B, 1, L, L] boolean mask (memory-efficient kernel)."""
     mask = kp[:, None, None, :].expand(B, 1, L, L).contiguous()
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
     def fwd():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
     def fwd_bwd():
-        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask)
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, dropout_p=dropout_p)
         torch.autograd.grad(out, (qg, kg, vg), do)
 
     return fwd, fwd_bwd
 
 
-def kernel_steps(q, k, v, do, kp, fwd_cfg=None, bwd_cfg=None):
-    fwd_cfg, bwd_cfg = fwd_cfg or {}, bwd_cfg or {}
+def kernel_steps(q, k, v, do, kp, fwd_cfg=None, bwd_cfg=None, dropout_p=0.0):
+    drop = {"dropout_p": dropout_p, "seed": torch.tensor([1234], device="cuda")} if dropout_p else {}
+    fwd_cfg, bwd_cfg = {**drop, **(fwd_cfg or {})}, {**drop, **(bwd_cfg or {})}
     out, lse = ak.attention_fwd(q, k, v, key_padding=kp, **fwd_cfg)
 
     def fwd():
@@ -103,6 +104,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-sweep", action="store_true", help="the two batches only")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="also time both batches with attention dropout p (BERT's 0.1; no error check: "
+                             "the two sides draw other masks)")
     args = parser.parse_args()
     torch.utils.deterministic.fill_uninitialized_memory = True
     result = {"shape": f"B{B} H{H} L{L} D{D} bf16, bidirectional, key padding", "gpu": torch.cuda.get_device_name(),
@@ -120,6 +124,14 @@ def main():
                "kernel bwd ms": graph_ms(k_bwd), "max |error| vs float64": max_error(q, k, v, do, kp)}
         print(json.dumps(row), flush=True)
         result["rows"].append(row)
+        if args.dropout:
+            s_fwd, s_fb = sdpa_steps(q, k, v, do, kp, args.dropout)
+            k_fwd, _, k_fb = kernel_steps(q, k, v, do, kp, dropout_p=args.dropout)
+            row = {"batch": f"{name}, dropout {args.dropout}", "mean length": lengths.float().mean().item(),
+                   "sdpa fwd ms": graph_ms(s_fwd), "kernel fwd ms": graph_ms(k_fwd),
+                   "sdpa fwd+bwd ms": graph_ms(s_fb), "kernel fwd+bwd ms": graph_ms(k_fb)}
+            print(json.dumps(row), flush=True)
+            result["rows"].append(row)
 
     q, k, v, do, kp = inputs(torch.full((B,), L, device="cuda"))
     sweeps = {} if args.no_sweep else {
