@@ -707,19 +707,17 @@ def measure(run: Run, order: int, case_name, module, inputs, kwargs, train, fusi
     if without:
         copies["without"] = copy.deepcopy(module)
         backends["without"] = run.backend(sorted(set(on) - {registered(without)}), settings)
+    if eager:
+        copies["eager"] = copy.deepcopy(module)
+        backends["eager"] = None  # not compiled
     torch._dynamo.reset()
     steps = {}
     for name, m in copies.items():
         m.train(train)
         ins = _leaves(m, inputs, train)
         leaves = [t for t in ins if isinstance(t, torch.Tensor) and t.requires_grad] + list(m.parameters())
-        compiled = torch.compile(m, backend=backends[name], dynamic=False)
-        steps[name] = _step(compiled, ins, train, leaves if train else (), kwargs)
-    if eager:
-        m = copy.deepcopy(module).train(train)
-        ins = _leaves(m, inputs, train)
-        leaves = [t for t in ins if isinstance(t, torch.Tensor) and t.requires_grad] + list(m.parameters())
-        steps["eager"] = _step(m, ins, train, leaves if train else (), kwargs)
+        fn = m if backends[name] is None else torch.compile(m, backend=backends[name], dynamic=False)
+        steps[name] = _step(fn, ins, train, leaves if train else (), kwargs)
     first_s, matched, variants, pass_s, note = {}, {}, {}, 0.0, ""
     sides = ["plain", "fusionpass"] if order % 2 == 0 else ["fusionpass", "plain"]
     for name in sides + (["without"] if without else []):

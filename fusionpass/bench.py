@@ -29,6 +29,30 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def cuda_graph_ms(fn: Callable[[], object], rounds: int = 5, replays: int = 20) -> float:
+    """Median milliseconds of one fn() replayed from a CUDA graph: the launches' host cost stays
+    out (GPU-bound kernel timing). fn is warmed up on a side stream first, as capture requires."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    samples = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / replays)
+    return statistics.median(samples)
+
+
 def time_interleaved(
     fns: dict[str, Callable[[], object]], device: str, rounds: int = 5, iters: int = 10, warmup: int = 3,
     on_round: Callable[[int], None] | None = None, min_sample_ms: float = 0.0,

@@ -16,38 +16,16 @@ Timing: CUDA graphs of forward, and forward + backward (GPU-bound; medians, ms).
 """
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from fusionpass.bench import cuda_graph_ms
 from fusionpass.kernels import attention as ak
 
 BF16 = torch.bfloat16
 # (name, B, Hq, Hkv, L, D, causal): issue 19's Llama all-ones bar shape and the BERT/XLM-R one
 SHAPES = [("llama", 4, 16, 4, 2048, 128, True), ("bert", 32, 12, 12, 512, 64, False)]
-
-
-def graph_ms(fn, rounds=5, replays=20):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    samples = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / replays)
-    return statistics.median(samples)
 
 
 def key_padding(kind, B, L):
@@ -162,7 +140,7 @@ def main():
                         def fwd_bwd(fn=fn, kp=kp, qg=qg, kg=kg, vg=vg):
                             torch.autograd.grad(fn(qg, kg, vg, kp, causal), (qg, kg, vg), do)
 
-                        row["fwd ms"], row["fwd+bwd ms"] = graph_ms(fwd), graph_ms(fwd_bwd)
+                        row["fwd ms"], row["fwd+bwd ms"] = cuda_graph_ms(fwd), cuda_graph_ms(fwd_bwd)
                 except Exception as e:  # the call refused this layout: that is the finding
                     row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(json.dumps(row), flush=True)

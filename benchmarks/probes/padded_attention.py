@@ -10,38 +10,15 @@ kernels' launches at head dim 64 (forward, dK/dV, dQ), all-ones.
 """
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from fusionpass.bench import cuda_graph_ms
 from fusionpass.kernels import attention as ak
 
 B, H, L, D = 32, 12, 512, 64
 BF16 = torch.bfloat16
-
-
-def graph_ms(fn, rounds=5, replays=20):
-    """Median ms of one fn() replayed from a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    samples = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / replays)
-    return statistics.median(samples)
 
 
 def inputs(lengths):
@@ -119,17 +96,17 @@ def main():
         s_fwd, s_fb = sdpa_steps(q, k, v, do, kp)
         k_fwd, k_bwd, k_fb = kernel_steps(q, k, v, do, kp)
         row = {"batch": name, "mean length": lengths.float().mean().item(),
-               "sdpa fwd ms": graph_ms(s_fwd), "kernel fwd ms": graph_ms(k_fwd),
-               "sdpa fwd+bwd ms": graph_ms(s_fb), "kernel fwd+bwd ms": graph_ms(k_fb),
-               "kernel bwd ms": graph_ms(k_bwd), "max |error| vs float64": max_error(q, k, v, do, kp)}
+               "sdpa fwd ms": cuda_graph_ms(s_fwd), "kernel fwd ms": cuda_graph_ms(k_fwd),
+               "sdpa fwd+bwd ms": cuda_graph_ms(s_fb), "kernel fwd+bwd ms": cuda_graph_ms(k_fb),
+               "kernel bwd ms": cuda_graph_ms(k_bwd), "max |error| vs float64": max_error(q, k, v, do, kp)}
         print(json.dumps(row), flush=True)
         result["rows"].append(row)
         if args.dropout:
             s_fwd, s_fb = sdpa_steps(q, k, v, do, kp, args.dropout)
             k_fwd, _, k_fb = kernel_steps(q, k, v, do, kp, dropout_p=args.dropout)
             row = {"batch": f"{name}, dropout {args.dropout}", "mean length": lengths.float().mean().item(),
-                   "sdpa fwd ms": graph_ms(s_fwd), "kernel fwd ms": graph_ms(k_fwd),
-                   "sdpa fwd+bwd ms": graph_ms(s_fb), "kernel fwd+bwd ms": graph_ms(k_fb)}
+                   "sdpa fwd ms": cuda_graph_ms(s_fwd), "kernel fwd ms": cuda_graph_ms(k_fwd),
+                   "sdpa fwd+bwd ms": cuda_graph_ms(s_fb), "kernel fwd+bwd ms": cuda_graph_ms(k_fb)}
             print(json.dumps(row), flush=True)
             result["rows"].append(row)
 
@@ -152,7 +129,7 @@ def main():
                     fn = kernel_steps(q, k, v, do, kp, fwd_cfg=cfg)[0]
                 else:
                     fn = kernel_steps(q, k, v, do, kp, bwd_cfg=cfg)[1]
-                entry = {"kernel": which, **cfg, "ms": graph_ms(fn)}
+                entry = {"kernel": which, **cfg, "ms": cuda_graph_ms(fn)}
             except Exception as e:  # a launch that does not fit (shared memory)
                 entry = {"kernel": which, **cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
             print(json.dumps(entry), flush=True)
