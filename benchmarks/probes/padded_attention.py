@@ -6,7 +6,7 @@ attention_mask and for right padding with lengths uniform in 64..512 (dout zero 
 as the model's loss gives it). Then a sweep of the
 kernels' launches at head dim 64 (forward, dK/dV, dQ), all-ones.
 
-    python benchmarks/probes/padded_attention.py [--out FILE.json] [--no-sweep] [--dropout P]
+    python benchmarks/probes/padded_attention.py [--out FILE.json] [--no-sweep] [--dropout P] [--head-dim D]
 """
 import argparse
 import json
@@ -78,13 +78,17 @@ def max_error(q, k, v, do, kp):
 
 
 def main():
+    global D
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-sweep", action="store_true", help="the two batches only")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="also time both batches with attention dropout p (BERT's 0.1; no error check: "
                              "the two sides draw other masks)")
+    parser.add_argument("--head-dim", type=int, default=D,
+                        help="the two batches at another head dim (same B, H, L), to see where the route wins")
     args = parser.parse_args()
+    D = args.head_dim
     torch.utils.deterministic.fill_uninitialized_memory = True
     result = {"shape": f"B{B} H{H} L{L} D{D} bf16, bidirectional, key padding", "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "rows": [], "sweep": []}
