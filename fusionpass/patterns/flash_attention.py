@@ -22,7 +22,8 @@ On by default, where SDPA has no fast kernel for what the model computes:
   - SDPA with an all-true mask AND run-time key padding over square scores (BERT, RoBERTa, XLM-R
     fine-tuned with a padding collator): plain compile runs SDPA with the materialized mask over
     every key; the kernel skips the key blocks past each row's last kept key
-    (`attention_padding`, on by default; benchmarks/results/latest/models.md);
+    (`attention_padding`, on by default at head dim 64 without attention dropout, the cost rules
+    `padding_cost`; benchmarks/results/kernel/padded_attention.md);
   - SDPA with a proven sliding-window mask (Mistral, Gemma-2/3's local layers, Qwen2 with
     use_sliding_window; ModernBERT's bidirectional band |i - j| <= w, the window 2w + 1 on the
     diagonal moved by w, the kernel's `diagonal`), with or without run-time key padding, over
@@ -45,6 +46,7 @@ sdpa_runtime_check, so where its kernel route is on it is preferred over their r
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 
 import torch
@@ -52,6 +54,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusionpass import registry
+from fusionpass.cost import Range, Switch, mode
 from fusionpass.patterns import attention_kernel as ak
 from fusionpass.patterns import dropout as dp
 from fusionpass.patterns import eager_attention as eager
@@ -374,6 +377,28 @@ def square_by_default(m: Match, cfg) -> str | None:
     return None
 
 
+# The encoder padding route's cost rules (none_kernel_padded at the default settings): it is
+# selected where it measured faster than plain compile's masked SDPA on an all-ones batch and on a
+# padded one alike, forward and forward + backward; elsewhere the all-ones batch lost
+# (benchmarks/results/kernel/padded_attention.md). A compile cannot tell which batches will come.
+EVERY_ROUTE = Switch("attention_kernel", "every SDPA route to the kernel")
+PADDING_HEAD_DIM = Range.always("head dim of an all-true mask with key padding", 64, 64)
+PADDING_DROPOUT = Range.always("attention dropout (%, rounded up) of an all-true mask with key padding", 0, 0)
+
+
+def padding_cost(m: Match, cfg) -> str | None:
+    """PADDING_HEAD_DIM and PADDING_DROPOUT for the all-true mask with key padding; unless
+    attention_kernel."""
+    if m.variant != "none_kernel_padded" or EVERY_ROUTE.on(cfg):
+        return None
+    q = g.tensor(m.bindings["args"]["query"])
+    training = mode(bool(q.requires_grad))
+    # kernel_constants, checked before, made dropout_p a constant
+    why = PADDING_HEAD_DIM.check(g.static_int(q.shape[-1]), training, cfg) or PADDING_DROPOUT.check(
+        math.ceil(float(m.bindings["args"]["dropout_p"]) * 100), training, cfg)
+    return None if why is None else f"{why}; attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1 selects it anyway"
+
+
 KERNEL_OPT_IN = "fusionpass's attention kernel is opt-in (attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1)"
 MLA_OPT_IN = ("the padded-v kernel route measured slower than plain compile (benchmarks/results/latest/"
               "attention_head_dims.md), opt-in (attention_mla=True)")
@@ -422,7 +447,8 @@ class Options:
                                 "ids restarting at each sequence, no attention_mask) -> fusionpass::flash_attention")
     # On by default: plain compile runs SDPA with the materialized [B, 1, L, L] mask over every key;
     # the kernel skips the key blocks past each row's last kept key, so a padded encoder batch
-    # costs about what its lengths cost (benchmarks/results/latest/models.md).
+    # costs about what its lengths cost; where an all-ones batch measured slower, the cost rules
+    # (padding_cost) keep it out (benchmarks/results/kernel/padded_attention.md).
     padding: bool = option(True, "SDPA with an all-true mask AND run-time key padding over square scores (an "
                                  "encoder's padding collator: BERT, RoBERTa, XLM-R) -> fusionpass::flash_attention")
     # Off by default: v padded to q's head dim costs the kernel more than plain compile's masked
@@ -458,6 +484,7 @@ FLASH_ATTENTION = registry.register(
             "v's head dim under q's (MLA) only with attention_mla=True; "
             "fp16/bf16 on CUDA (fp32 is a near miss there, kernel_dtypes)"
         ),
+        cost=(EVERY_ROUTE, PADDING_HEAD_DIM, PADDING_DROPOUT),
         anchor=lambda node: sdpa.has_mask_node(node) or eager.is_anchor(node),
         variants=(
             Variant("eager_kernel", _only(_eager_search, "eager_kernel")),
@@ -482,6 +509,7 @@ FLASH_ATTENTION = registry.register(
             Guard("kernel_head_dim", kernel_head_dim),
             Guard("kernel_constants", kernel_constants),
             Guard("square_by_default", square_by_default),
+            Guard("cost", padding_cost),
         ),
         replace=replace_with_kernel,
         # an SDPA call this fusion leaves is sdpa_mask's or sdpa_runtime_check's next
