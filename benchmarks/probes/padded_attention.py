@@ -7,6 +7,10 @@ as the model's loss gives it). Then a sweep of the
 kernels' launches at head dim 64 (forward, dK/dV, dQ), all-ones.
 
     python benchmarks/probes/padded_attention.py [--out FILE.json] [--no-sweep] [--dropout P] [--head-dim D]
+        [--causal] [--shape B,H,L]
+
+--causal times a decoder's mask instead (causal AND key padding: plain compile's SDPA reads the
+materialized [B, 1, L, L] mask, the kernel the key-padding vector and the causal bound).
 """
 import argparse
 import json
@@ -18,7 +22,14 @@ from fusionpass.bench import cuda_graph_ms
 from fusionpass.kernels import attention as ak
 
 B, H, L, D = 32, 12, 512, 64
+CAUSAL = False
 BF16 = torch.bfloat16
+
+
+def visible(kp):
+    """[B, 1, L, L] bool: the keys each query sees (key padding, and the causal bound with --causal)."""
+    vis = kp[:, None, None, :].expand(B, 1, L, L)
+    return vis & torch.ones(L, L, dtype=torch.bool, device=kp.device).tril() if CAUSAL else vis
 
 
 def inputs(lengths):
@@ -31,7 +42,7 @@ def inputs(lengths):
 
 def sdpa_steps(q, k, v, do, kp, dropout_p=0.0):
     """Plain compile's call: SDPA with the [B, 1, L, L] boolean mask (memory-efficient kernel)."""
-    mask = kp[:, None, None, :].expand(B, 1, L, L).contiguous()
+    mask = visible(kp).contiguous()
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
     def fwd():
@@ -46,6 +57,7 @@ def sdpa_steps(q, k, v, do, kp, dropout_p=0.0):
 
 def kernel_steps(q, k, v, do, kp, fwd_cfg=None, bwd_cfg=None, dropout_p=0.0):
     drop = {"dropout_p": dropout_p, "seed": torch.tensor([1234], device="cuda")} if dropout_p else {}
+    drop["causal"] = CAUSAL
     fwd_cfg, bwd_cfg = {**drop, **(fwd_cfg or {})}, {**drop, **(bwd_cfg or {})}
     out, lse = ak.attention_fwd(q, k, v, key_padding=kp, **fwd_cfg)
 
@@ -65,12 +77,12 @@ def kernel_steps(q, k, v, do, kp, fwd_cfg=None, bwd_cfg=None, dropout_p=0.0):
 def max_error(q, k, v, do, kp):
     """Kernel and SDPA against float64, forward and backward: the larger |error| of each."""
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=kp[:, None, None, :])
+    ref = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=visible(kp))
     grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
-    out, lse = ak.attention_fwd(q, k, v, key_padding=kp)
-    ours = (out, *ak.attention_bwd(do, q, k, v, out, lse, key_padding=kp))
+    out, lse = ak.attention_fwd(q, k, v, key_padding=kp, causal=CAUSAL)
+    ours = (out, *ak.attention_bwd(do, q, k, v, out, lse, key_padding=kp, causal=CAUSAL))
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=kp[:, None, None, :].expand(B, 1, L, L))
+    o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=visible(kp))
     theirs = (o, *torch.autograd.grad(o, (qg, kg, vg), do))
     refs = (ref, *grads)
     return {name: {"kernel": (a.double() - r).abs().max().item(), "sdpa": (b.double() - r).abs().max().item()}
@@ -78,7 +90,7 @@ def max_error(q, k, v, do, kp):
 
 
 def main():
-    global D
+    global B, H, L, D, CAUSAL
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-sweep", action="store_true", help="the two batches only")
@@ -87,14 +99,18 @@ def main():
                              "the two sides draw other masks)")
     parser.add_argument("--head-dim", type=int, default=D,
                         help="the two batches at another head dim (same B, H, L), to see where the route wins")
+    parser.add_argument("--causal", action="store_true", help="a decoder's causal mask AND key padding")
+    parser.add_argument("--shape", default=None, help="B,H,L instead of 32,12,512")
     args = parser.parse_args()
-    D = args.head_dim
+    D, CAUSAL = args.head_dim, args.causal
+    if args.shape:
+        B, H, L = (int(x) for x in args.shape.split(","))
     torch.utils.deterministic.fill_uninitialized_memory = True
-    result = {"shape": f"B{B} H{H} L{L} D{D} bf16, bidirectional, key padding", "gpu": torch.cuda.get_device_name(),
+    result = {"shape": f"B{B} H{H} L{L} D{D} bf16, {'causal' if CAUSAL else 'bidirectional'}, key padding", "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "rows": [], "sweep": []}
     gen = torch.Generator().manual_seed(0)
     batches = {"all ones": torch.full((B,), L),
-               "right padding 64..512": torch.randint(64, L + 1, (B,), generator=gen)}
+               f"right padding 64..{L}": torch.randint(64, L + 1, (B,), generator=gen)}
     for name, lengths in batches.items():
         q, k, v, do, kp = inputs(lengths.cuda())
         s_fwd, s_fb = sdpa_steps(q, k, v, do, kp)
