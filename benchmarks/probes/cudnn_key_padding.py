@@ -1,9 +1,10 @@
-"""Issue 19 probe (not yet run): SDPA's cuDNN kernel with the key padding as a broadcast additive
-bias, against our kernel and against what plain torch.compile runs (SDPA with the materialized
-[B, 1, L, L] boolean mask: the memory-efficient kernel). If cuDNN takes a [B, 1, 1, L] bias with
-is_causal at its own speed, a rewrite to `aten._scaled_dot_product_cudnn_attention` could serve
-the two masks every trainer passes (a decoder's causal mask AND key padding, an encoder's
-all-true mask AND key padding) faster than our kernel does.
+"""Issue 19 probe (results: benchmarks/results/kernel/cudnn_key_padding.md): SDPA's cuDNN kernel
+with the key padding as a broadcast additive bias, against our kernel and against what plain
+torch.compile runs (SDPA with the materialized [B, 1, L, L] boolean mask: the memory-efficient
+kernel). If cuDNN takes a [B, 1, 1, L] bias with is_causal at its own speed, a rewrite to
+`aten._scaled_dot_product_cudnn_attention` could serve the two masks every trainer passes (a
+decoder's causal mask AND key padding, an encoder's all-true mask AND key padding) faster than
+our kernel does.
 
 Checks before any timing, per shape: the cuDNN call runs at all with that bias layout; its output
 and gradients against float64 at right padding, left padding (causal rows that see no key) and all
@@ -20,8 +21,8 @@ import json
 import torch
 import torch.nn.functional as F
 
+import fusionpass  # noqa: F401  (registers fusionpass::flash_attention)
 from fusionpass.bench import cuda_graph_ms
-from fusionpass.kernels import attention as ak
 
 BF16 = torch.bfloat16
 # (name, B, Hq, Hkv, L, D, causal): issue 19's Llama all-ones bar shape and the BERT/XLM-R one
@@ -63,27 +64,15 @@ def mem_efficient_call(q, k, v, kp, causal):
 
 
 def kernel_call(q, k, v, kp, causal):
-    return ak.attention_fwd(q, k, v, key_padding=kp, causal=causal)[0]
-
-
-class KernelFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, kp, causal):
-        out, lse = ak.attention_fwd(q, k, v, key_padding=kp, causal=causal)
-        ctx.save_for_backward(q, k, v, out, lse, kp)
-        ctx.causal = causal
-        return out
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, out, lse, kp = ctx.saved_tensors
-        return (*ak.attention_bwd(do.contiguous(), q, k, v, out, lse, key_padding=kp, causal=ctx.causal), None, None)
+    """fusionpass::flash_attention, the op the route inserts: its registered autograd runs our
+    backward kernels."""
+    return torch.ops.fusionpass.flash_attention(q, k, v, kp, scale=q.shape[-1] ** -0.5, causal=causal)[0]
 
 
 CALLS = {"cudnn + broadcast bias": cudnn_call,
          "cudnn + dense bias": lambda q, k, v, kp, causal: cudnn_call(q, k, v, kp, causal, dense_bias=True),
          "memory-efficient + mask": mem_efficient_call,
-         "fusionpass kernel": lambda q, k, v, kp, causal: KernelFn.apply(q, k, v, kp, causal)}
+         "fusionpass kernel": kernel_call}
 
 
 def reference(q, k, v, do, kp, causal):
