@@ -174,7 +174,11 @@ class PreGradFusionPass(CustomGraphPass):
         trace_id = CompileContext.current_trace_id()
         record = registry.Record() if trace_id is None else registry.Record(
             compile_id=str(trace_id.compile_id), attempt=trace_id.attempt)
-        changed = 0
+        from fusionpass.patterns import autocast
+
+        start = time.perf_counter()
+        changed = autocast.make_explicit(graph) if self.config.fusions else 0
+        record.seconds["(autocast casts)"] = time.perf_counter() - start
         for name, fusion in registry.registered().items():
             if name in self.config.fusions:
                 start = time.perf_counter()

@@ -80,6 +80,9 @@ class Case:
     # the cost rule or guard that keeps a route out on CUDA. `expect` then holds what matches
     # instead. CPU graphs may take such routes, so --device cpu skips these cases.
     near_miss: str | None = None
+    # In training, the first this-many outputs get cotangents (None: every floating output): a
+    # Trainer step backpropagates the loss alone, while the logits it returns go unread
+    differentiated_outputs: int | None = None
 
 
 def all_cases() -> list[Case]:
@@ -124,7 +127,7 @@ class _Run:
     searches: dict[str, int] | None = None
 
 
-def _execute(module, inputs, train, cotangents, forward_kwargs=None) -> _Run:
+def _execute(module, inputs, train, cotangents, forward_kwargs=None, differentiated=None) -> _Run:
     ins = []
     for t in inputs:
         if _floating(t):
@@ -136,7 +139,7 @@ def _execute(module, inputs, train, cotangents, forward_kwargs=None) -> _Run:
         outs = [o for o in _flatten(out) if _floating(o)]
         grads = {}
         if train:
-            pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
+            pairs = [(o, c) for o, c in zip(outs[:differentiated], cotangents) if o.requires_grad]
             torch.autograd.backward([o for o, _ in pairs], [c.to(o.dtype) for o, c in pairs])
             grads = {f"input{i}": t.grad for i, t in enumerate(ins) if _floating(t)}
             # (a compiled module names its parameters "_orig_mod.<name>")
@@ -219,16 +222,19 @@ def _run_case(case: Case, device: str) -> dict:
 
     def reference(run: _Run | None) -> _Run:
         kwargs = case.reference_kwargs(tuple(run.outputs), inputs) if case.reference_kwargs and run else {}
-        return _execute(copy.deepcopy(ref_module), ref_inputs, case.train, cotangents, kwargs)
+        return _execute(copy.deepcopy(ref_module), ref_inputs, case.train, cotangents, kwargs,
+                        case.differentiated_outputs)
 
     result = _header(case)
     seconds = {"setup": lap()}
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        plain = _execute(_compiled(copy.deepcopy(module), "inductor"), inputs, case.train, cotangents)
+        plain = _execute(_compiled(copy.deepcopy(module), "inductor"), inputs, case.train, cotangents,
+                         differentiated=case.differentiated_outputs)
         seconds["plain"] = lap()
         fusionpass.reset_stats()
         backend = fusionpass.backend(**case.config)
-        fused = _execute(_compiled(copy.deepcopy(module), backend), inputs, case.train, cotangents)
+        fused = _execute(_compiled(copy.deepcopy(module), backend), inputs, case.train, cotangents,
+                         differentiated=case.differentiated_outputs)
         fused.matches = fusionpass.stats()
         fused.variants = {f"{f}/{v}": n for (f, v), n in fusionpass.stats(variants=True).items()}
         fused.searches = {f"{f}/{v}": n for (f, v), n in STATISTICS.searches.items()}
@@ -241,7 +247,8 @@ def _run_case(case: Case, device: str) -> dict:
     fused_errs = _compare(fused, reference(fused))
     eager_errs = {}
     if case.eager_baseline:
-        eager = _execute(copy.deepcopy(module), inputs, case.train, cotangents)
+        eager = _execute(copy.deepcopy(module), inputs, case.train, cotangents,
+                         differentiated=case.differentiated_outputs)
         eager_errs = _compare(eager, reference(eager))
     seconds["references"] = lap()
     floor = case.floor if case.floor is not None else FLOOR[case.dtype]

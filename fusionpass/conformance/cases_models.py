@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fusionpass.conformance import Case
+from fusionpass.conformance import FLOOR, Case, dtype_name
 
 _NO_DROPOUT = dict(attention_dropout=0.0, hidden_dropout=0.0)
 
@@ -174,4 +174,36 @@ for _name in ("llama", "qwen2"):
         make=_make(_cfg, _cls, _attn, _b, _s, _v, _mlm, _config, wrap=_LossOnlyLM),
         dtype=torch.bfloat16, train=True, expect={**EXPECT[(_name, True)], "linear_cross_entropy": 1},
         config={"linear_cross_entropy_min_vocab": 5000}, eager_baseline=True,
+    ))
+
+
+class _TrainerLM(nn.Module):
+    """A step as the HF Trainer with bf16=True runs it: accelerate's autocast around the forward, a
+    collator's all-ones attention_mask, and the returned logits converted to fp32
+    (`convert_outputs_to_fp32`). The float64 reference is unchanged by the autocast (float64 tensors
+    are not autocast's to cast), so it is the exact function the bf16 computation approximates."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16):
+            out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=labels)
+        return out.loss, out.logits.float()
+
+
+# The Trainer's path (bf16=True): autocast over fp32 weights (a model built from a config) and over
+# bf16 weights, every fusion of the layer matched (the vocabulary bound opened for the loss). The
+# arithmetic is bf16 whatever the weights, so the floor is bf16's.
+TRAINER_EXPECT = {"rms_norm_residual": 5, "rope": 2, "flash_attention": 2, "attention_out_proj": 2,
+                  "swiglu_mlp": 2, "linear_cross_entropy": 1}
+for _name, _weights in (("llama", torch.float32), ("llama", torch.bfloat16), ("qwen2", torch.float32)):
+    _cfg, _cls, _attn, _b, _s, _v, _mlm, _config = MODELS[_name]
+    _w = dtype_name(_weights)
+    CASES.append(Case(
+        name=f"model/{_name}-trainer-amp/train/{_w}/B{_b}xS{_s}", fusion="model", variant=f"{_name}-trainer-amp",
+        make=_make(_cfg, _cls, _attn, _b, _s, _v, _mlm, _config, wrap=_TrainerLM),
+        dtype=_weights, train=True, expect=TRAINER_EXPECT, config={"linear_cross_entropy_min_vocab": 5000},
+        eager_baseline=True, floor=FLOOR[torch.bfloat16], differentiated_outputs=1,
     ))

@@ -147,10 +147,11 @@ def _rope_kernel(
 FORMS = ("rotate_half", "interleaved")
 
 
-def empty_out(x: torch.Tensor) -> torch.Tensor:
+def empty_out(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The output for input x: x's layout where x is dense (as the eager `x * cos + ...` gives),
-    else contiguous. The fake impls use this too."""
-    return torch.empty_like(x, memory_format=torch.preserve_format)
+    else contiguous; x's dtype unless `dtype` (bf16 q times fp32 cos is fp32 in eager). The fake
+    impls use this too."""
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.preserve_format)
 
 
 _STREAM = False  # cache hints off until a measurement (benchmarks/results/latest/rope.md) says otherwise
@@ -201,9 +202,12 @@ def rope(
     block_rows: int | None = None,
     num_warps: int | None = None,
     stream: bool | None = None,
+    q_out_dtype: torch.dtype | None = None,
+    k_out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q_out, k_out) = rotation of q and k (k may be None) in one launch; `backward` applies the
-    transposed map (for gradients). Block sizes: `block_rows` rows per program, `num_warps`;
+    transposed map (for gradients). The rotation is fp32 math, stored in q's and k's dtypes unless
+    `q_out_dtype` / `k_out_dtype`. Block sizes: `block_rows` rows per program, `num_warps`;
     `stream`: cache hints (q/k evicted first, cos/sin kept)."""
     head_dim = int(q.shape[-1])  # a constexpr: the pattern only matches static head dims
     check_form(form, rotary_dim, head_dim)
@@ -212,8 +216,8 @@ def rope(
     if k is not None and k.shape[-1] != head_dim:
         raise ValueError("q and k must have the same head dim")
     check_cos_sin(cos, sin, rotary_dim, *(t for t in (q, k) if t is not None))
-    q_out = empty_out(q)
-    k_out = None if k is None else empty_out(k)
+    q_out = empty_out(q, q_out_dtype)
+    k_out = None if k is None else empty_out(k, k_out_dtype)
     # one tensor: k's pointers are placeholders (no program has a k row); q's own tensors in their
     # place made the compiled graph return an unwritten clone of q_out (fusionpass.kernels.launch)
     kk, kko = (q, q_out) if k is None else (k, k_out)

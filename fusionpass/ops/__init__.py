@@ -5,3 +5,7 @@ import pkgutil as _pkgutil
 
 for _info in _pkgutil.iter_modules(__path__):
     _importlib.import_module(f"{__name__}.{_info.name}")
+
+from fusionpass.ops.autocast import make_neutral as _make_neutral  # noqa: E402
+
+_make_neutral()

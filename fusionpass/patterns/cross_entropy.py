@@ -16,7 +16,8 @@ with the labels padded by one ignored position at the end of each sequence (exac
 "sum": the same tokens count).
 
 The logits of the model dtype (after the soft-cap when there is one) may also be returned by the
-graph, as HF models do: the op then writes them once, in the model dtype. Any other use of the
+graph, as HF models do, also as an fp32 copy (accelerate's `convert_outputs_to_fp32` under the
+Trainer's mixed precision): the op then writes them once, in the model dtype. Any other use of the
 logits or of the fp32 copy is a near miss: the op never materializes them otherwise. The returned
 logits come out non-differentiable (their gradient would be the [N, V] tensor the op avoids), so a
 caller that backpropagates through `output.logits` gets an error from autograd, not a wrong
@@ -334,7 +335,7 @@ def _search(variant: str, accepts):
                 "labels": labels,
                 "label_nodes": label_nodes,
                 "return_logits": chain.logits is not None
-                and any(u.op == "output" for u in chain.logits.users),
+                and any(_returned(u, chain.logits) for u in chain.logits.users),
                 "need_dh": needs(chain.h),
                 "need_dw": needs(chain.weight),
                 "need_db": chain.bias is not None and needs(chain.bias),
@@ -441,6 +442,15 @@ def vocab_large_enough(m: Match, cfg) -> str | None:
     return VOCAB.check(vocab, "inference", cfg)
 
 
+def _returned(user: fx.Node, logits: fx.Node) -> bool:
+    """`user` returns the logits: the graph's output, or an exact upcast only the output reads
+    (accelerate's `convert_outputs_to_fp32` around the forward under mixed precision)."""
+    if user.op == "output":
+        return True
+    return (g.strip_upcasts(user) is logits and user is not logits
+            and bool(user.users) and all(u.op == "output" for u in user.users))
+
+
 def logits_private(m: Match, cfg) -> str | None:
     """Nodes of the chain are read only by the chain, except the model-dtype logits, which the
     graph may return (then the op writes them)."""
@@ -450,7 +460,7 @@ def logits_private(m: Match, cfg) -> str | None:
         outside = [u for u in node.users if u not in inside]
         if not outside:
             continue
-        if node is chain.logits and all(u.op == "output" for u in outside):
+        if node is chain.logits and all(_returned(u, node) for u in outside):
             continue
         users = ", ".join(sorted(u.name for u in outside))
         what = "logits" if node is chain.logits or node is chain.head else "an intermediate of the logits"
@@ -506,7 +516,7 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
     loss, logits = g.insert_getitems(graph, fused, 2)
     ce.replace_all_uses_with(loss)
     if b["return_logits"]:
-        chain.logits.replace_all_uses_with(logits, delete_user_cb=lambda u: u.op == "output")
+        chain.logits.replace_all_uses_with(logits, delete_user_cb=lambda u: _returned(u, chain.logits))
     g.erase_unused(graph, [ce, *reversed(chain.nodes), *b["label_nodes"]])
 
 

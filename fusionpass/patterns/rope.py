@@ -27,6 +27,7 @@ from torch import fx
 
 from fusionpass import registry
 from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Range, Switch
+from fusionpass.patterns import autocast
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, Variant, option
 
@@ -364,8 +365,14 @@ def dtypes_agree(m: Match, cfg) -> str | None:
         if d not in (dtype, torch.float32):
             return f"{name} dtype {d} is neither q's dtype {dtype} nor float32"
     for name in ("q_out", "k_out"):
-        if b[name] is not None and g.dtype(b[name]) != dtype:
-            return (f"result dtype {g.dtype(b[name])} differs from input dtype {dtype} "
+        out = b[name]
+        if out is None or g.dtype(out) == dtype:
+            continue
+        # q in bf16 (a projection under autocast) times fp32 cos/sin is fp32 math: the op's own
+        # (q_out_dtype / k_out_dtype), or, where every reader rounds it back to q's dtype
+        # (autocast's cast for the attention), that rounding done once in the op
+        if not (g.dtype(out) == torch.float32 and torch.float32 in (g.dtype(b["cos"]), g.dtype(b["sin"]))):
+            return (f"result dtype {g.dtype(out)} differs from input dtype {dtype} "
                     "(mixed-dtype math)")
     return None
 
@@ -479,23 +486,30 @@ def cost_rule(m: Match, cfg) -> str | None:
 # replacement
 
 
-ROPE_ARGS = ("q", "k", "cos", "sin", "form", "rotary_dim")
+ROPE_ARGS = ("q", "k", "cos", "sin", "form", "rotary_dim", "q_out_dtype", "k_out_dtype")
 
 
 def rope_call_args(call: fx.Node) -> dict:
     """A fusionpass::rope call's arguments by name."""
-    return g.call_args(call, ROPE_ARGS, {})
+    return g.call_args(call, ROPE_ARGS, {"q_out_dtype": None, "k_out_dtype": None})
 
 
 def replace(graph: fx.Graph, m: Match, cfg) -> None:
     b = m.bindings
     before = _last_input(m, _order(graph)).next
+    kwargs = dict(form=b["form"], rotary_dim=b["rotary_dim"])
+    for name, x in (("q", b["q"]), ("k", b["k"])):
+        out = b[f"{name}_out"]
+        if out is not None and g.dtype(out) != g.dtype(x) and autocast.rounded_by_readers(out) is None:
+            kwargs[f"{name}_out_dtype"] = g.dtype(out)  # fp32, as eager's promotion gives (guard dtype)
     fused = g.insert_call(graph, before, torch.ops.fusionpass.rope.default, (b["q"], b["k"], b["cos"], b["sin"]),
-                          b["q_out"], kwargs=dict(form=b["form"], rotary_dim=b["rotary_dim"]))
+                          b["q_out"], kwargs=kwargs)
     q_new, k_new = g.insert_getitems(graph, fused, 2)
     b["q_out"].replace_all_uses_with(q_new)
     if b["k_out"] is not None:
         b["k_out"].replace_all_uses_with(k_new)
+    for new in (q_new, k_new):
+        autocast.drop_noop_casts(new)  # the rounding the readers did (guard dtype)
     g.erase_unused(graph, m.nodes)
     g.erase_unused(graph, b["dead"])
 

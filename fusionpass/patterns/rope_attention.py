@@ -247,8 +247,9 @@ def _other_rotation_alone(graph: fx.Graph, rope_call: fx.Node) -> None:
     if out.args[1] == 0 and a["k"] is None:
         return  # a call for one tensor already
     x = a["q"] if out.args[1] == 0 else a["k"]
+    out_dtype = a["q_out_dtype"] if out.args[1] == 0 else a["k_out_dtype"]
     alone = g.insert_call(graph, rope_call, torch.ops.fusionpass.rope.default, (x, None, a["cos"], a["sin"]),
-                          rope_call, kwargs=dict(form=a["form"], rotary_dim=a["rotary_dim"]))
+                          rope_call, kwargs=dict(form=a["form"], rotary_dim=a["rotary_dim"], q_out_dtype=out_dtype))
     (new, _) = g.insert_getitems(graph, alone, 2)
     out.replace_all_uses_with(new)
     graph.erase_node(out)

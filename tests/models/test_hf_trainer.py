@@ -6,6 +6,7 @@ import torch
 from helpers import compiling
 
 import fusionpass
+from fusionpass.passes import STATISTICS
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,3 +69,52 @@ def test_accelerate_compile_regions_after_install():
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
     for name, grad in expected[1].items():
         torch.testing.assert_close(got[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+AMP_FUSIONS = ("rms_norm_residual", "rope", "flash_attention", "swiglu_mlp", "linear_cross_entropy")
+
+
+@pytest.mark.parametrize("weights, checkpointing", [("fp32", False), ("bf16", False), ("bf16", True)],
+                         ids=["fp32-weights", "bf16-weights", "bf16-weights-checkpointing"])
+def test_trainer_bf16_after_install_fuses_everything(tmp_path, weights, checkpointing):
+    """The path users train on: `install()`, then Trainer(bf16=True, torch_compile=True), which is
+    accelerate's autocast around the forward (over fp32 weights for a model built from a config),
+    its fp32 copy of the returned logits, a collator's all-ones attention_mask and the Trainer's
+    num_items_in_batch. Every fusion of a Llama layer matches, and the loss is plain compile's."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x} for x in ids]
+
+    def train(fused: bool):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        if weights == "bf16":
+            model = model.to(torch.bfloat16)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3,
+            logging_steps=1, report_to=[], torch_compile=True, use_cpu=True, bf16=True, save_strategy="no",
+            dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=checkpointing)
+        with compiling():
+            if fused:
+                fusionpass.install(cpu=True, rope_min_tokens=1, linear_cross_entropy_min_vocab=1, rms_norm_min_width=1)
+            try:
+                trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+                trainer.train()
+            finally:
+                fusionpass.uninstall()
+            stats = fusionpass.stats()
+        return [e["loss"] for e in trainer.state.log_history if "loss" in e], stats
+
+    plain, _ = train(False)
+    fused, stats = train(True)
+    missing = [f for f in AMP_FUSIONS if not stats.get(f)]
+    if checkpointing:
+        # Not yet: each checkpointed layer is a graph of its own, whose mask is an input built in
+        # the model's graph, so no route can prove it (issue: the Trainer path, item 3). The rest
+        # of the layer fuses; the attention's near miss says why.
+        assert missing == ["flash_attention"], (missing, stats)
+        assert any("built in another graph" in why for _, _, why in STATISTICS.near_misses)
+    else:
+        assert not missing, (missing, stats, STATISTICS.near_misses)
+    torch.testing.assert_close(torch.tensor(fused), torch.tensor(plain), rtol=2e-2, atol=0)
