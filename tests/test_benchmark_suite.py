@@ -98,3 +98,29 @@ def test_readme_table_is_generated_from_the_latest_results():
     begin, end = text.index(suite.README_BEGIN), text.index(suite.README_END) + len(suite.README_END)
     assert text[begin:end] == suite.readme_section(), (
         "README.md's performance table is out of date: python benchmarks/suite.py --readme")
+
+
+def test_readme_trainer_table_is_generated_from_its_result():
+    """README's first table (what a Trainer user gets) is benchmarks/results/latest/trainer.json's."""
+    suite = _suite()
+    text = (ROOT / "README.md").read_text()
+    begin, end = text.index(suite.TRAINER_BEGIN), text.index(suite.TRAINER_END) + len(suite.TRAINER_END)
+    assert text[begin:end] == suite.trainer_section(), (
+        "README.md's Trainer table is out of date: python benchmarks/suite.py --readme")
+    assert text.index(suite.TRAINER_BEGIN) < text.index("\n|"), "the Trainer table must be README's first"
+
+
+def test_trainer_rows_from_runs():
+    """benchmarks/trainer.py's rows: plain / fusionpass per weight dtype, and an error row where a side failed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trainer_bench", ROOT / "benchmarks" / "trainer.py")
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+    run = dict(step_ms=90.0, peak_gib=20.0, first_step_s=30.0, losses=[10.0, 9.0, 8.5], matched={})
+    runs = [{**run, "weights": "fp32", "side": "plain"},
+            {**run, "weights": "fp32", "side": "fusionpass", "step_ms": 75.0, "losses": [10.0, 9.1, 8.4]},
+            {"weights": "bf16", "side": "fusionpass", "error": "boom"}]
+    fp32, bf16 = trainer.rows_of(runs)
+    assert fp32["case"] == "Trainer, fp32 weights" and fp32["ratio"] == 1.2 and fp32["loss_gap"] == 0.1
+    assert bf16["case"] == "Trainer, bf16 weights" and "boom" in bf16["error"]
