@@ -45,6 +45,7 @@ CASE_MODULES = (
     "fusionpass.conformance.cases_attention",
     "fusionpass.conformance.cases_other",
     "fusionpass.conformance.cases_models",
+    "fusionpass.conformance.cases_autocast",
 )
 
 
