@@ -18,14 +18,7 @@ import importlib
 import torch
 from torch import nn
 
-from fusionpass.conformance import FLOOR, Case
-
-# the modules whose training cases get a twin (cases_models has the Trainer's own model cases)
-TWINNED_MODULES = (
-    "fusionpass.conformance.cases_norms",
-    "fusionpass.conformance.cases_attention",
-    "fusionpass.conformance.cases_other",
-)
+from fusionpass.conformance import CASE_MODULES, FLOOR, Case
 
 
 class Autocast(nn.Module):
@@ -55,7 +48,9 @@ def twin(case: Case) -> Case:
 
 
 def _twinned(case: Case) -> bool:
-    return case.train and case.dtype == torch.bfloat16 and case.near_miss is None and "/bf16/" in case.name
+    return (case.fusion != "model" and case.train and case.dtype == torch.bfloat16 and case.near_miss is None
+            and "/bf16/" in case.name)
 
 
-CASES = [twin(c) for name in TWINNED_MODULES for c in importlib.import_module(name).CASES if _twinned(c)]
+CASES = [twin(c) for name in CASE_MODULES if name != __name__
+         for c in importlib.import_module(name).CASES if _twinned(c)]
