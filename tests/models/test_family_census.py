@@ -1,0 +1,32 @@
+"""The census of model families on the CPU (fusionpass/conformance/families.py): each family's tiny
+config, in bf16 and as the HF Trainer runs it with bf16=True, through the conformance runner
+(float64 eager reference, plain compile beside fusionpass, every parameter's gradient), with the
+match counts its declaration derives. A family whose fusions start or stop matching fails here."""
+import pytest
+
+pytest.importorskip("transformers")
+
+from fusionpass.conformance import families, run_case  # noqa: E402
+
+CASES = families.cases()
+
+
+def test_the_census_covers_the_families_users_train():
+    named = set(families.FAMILIES)
+    assert {"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "phi3", "olmo", "mixtral", "gpt2"} <= named
+    assert len(CASES) >= 2 * len(named) - 4  # both modes for all but the few the CPU cannot compile
+
+
+def test_expected_counts_derive_from_the_declaration():
+    llama = families.FAMILIES["llama"]
+    assert llama.expected("bf16") == {"rms_norm_residual": 2 * families.LAYERS + 1, "rope": families.LAYERS,
+                                      "flash_attention": families.LAYERS, "attention_out_proj": families.LAYERS,
+                                      "swiglu_mlp": families.LAYERS, "linear_cross_entropy": 1}
+    cohere = families.FAMILIES["cohere"]
+    assert "rope" not in cohere.expected("bf16") and cohere.expected("trainer-amp")["rope"] == families.LAYERS
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_family(case):
+    result = run_case(case, "cpu")
+    assert result["passed"], result["reason"]
