@@ -16,9 +16,16 @@ is timed:
 - "fusionpass kernel": torch.ops.fusionpass.flash_attention with the key-padding vector (today's
   route), at its launch defaults, then a sweep of its forward, dK/dV and dQ launches on the
   all-ones batch, to see what a launch table per head dim leaves on the table.
-- "cudnn-frontend padded fwd" (only where the nvidia-cudnn-frontend wheel imports): its
-  torch.ops.cudnn.sdpa_fwd with seq_len_q/seq_len_kv, forward only (its autograd does not take the
-  padded layout).
+- "cudnn-frontend padded" (only where the nvidia-cudnn-frontend wheel imports): cuDNN's own padding
+  mask, per-row key lengths on the device over the padded layout, forward and backward through its
+  graph API (cudnn_padded.py beside this file). Exact for right padding and all ones; rows of
+  length 0 are given length 1 (cuDNN before 9.25 returns NaN there), so "empty-row" and "left"
+  record what a route must send elsewhere.
+- "cudnn-frontend padded + fixup" (checks only): the route's whole design on every mask: cuDNN
+  for all rows, our kernel for the rows whose mask is not a prefix of keys, picked per row on the
+  device. Here our kernel still runs on every row, so it is not timed.
+- "cudnn-frontend padded fwd" (forward only): the wheel's own torch.ops.cudnn.sdpa_fwd with
+  seq_len_q/seq_len_kv (its autograd does not take the padded layout).
 Also timed: the device-side checks a route needs to find the rows it can send to cuDNN (lengths,
 "is the row's mask a prefix").
 
@@ -134,6 +141,23 @@ def fusionpass_kernel(q, k, v, kp, causal):
     return torch.ops.fusionpass.flash_attention(q, k, v, kp, scale=q.shape[-1] ** -0.5, causal=causal)[0]
 
 
+def cudnn_frontend_padded(q, k, v, kp, causal):
+    import cudnn_padded
+
+    lengths = kp.sum(-1, dtype=torch.int32).clamp_min(1)
+    return cudnn_padded.PaddedAttention.apply(q, k, v, lengths, q.shape[-1] ** -0.5, causal)
+
+
+def cudnn_frontend_padded_fixup(q, k, v, kp, causal):
+    lengths, prefix = prefix_rows(kp)
+    import cudnn_padded
+
+    full = torch.where(prefix, lengths, kp.shape[1])
+    ours = fusionpass_kernel(q, k, v, kp, causal)
+    theirs = cudnn_padded.PaddedAttention.apply(q, k, v, full, q.shape[-1] ** -0.5, causal)
+    return torch.where(prefix[:, None, None, None], theirs, ours)
+
+
 def cudnn_frontend_padded_fwd(q, k, v, kp, causal):
     import cudnn.sdpa.fwd.torch_op  # noqa: F401  (registers torch.ops.cudnn.sdpa_fwd)
 
@@ -148,6 +172,9 @@ CALLS = {"cudnn causal, no mask": cudnn_causal, "cudnn ragged": cudnn_ragged,
          "cudnn ragged, aten's autograd": cudnn_ragged_aten_autograd, "cudnn + broadcast bias": cudnn_bias,
          "fusionpass kernel": fusionpass_kernel}
 FORWARD_ONLY = {"cudnn-frontend padded fwd": cudnn_frontend_padded_fwd}
+FRONTEND_CALLS = {"cudnn-frontend padded": cudnn_frontend_padded,
+                  "cudnn-frontend padded + fixup": cudnn_frontend_padded_fixup, **FORWARD_ONLY}
+CHECK_ONLY = ("cudnn-frontend padded + fixup",)
 
 
 def prefix_rows(kp):
@@ -247,7 +274,7 @@ def main():
         import cudnn
 
         result["cudnn_frontend"] = getattr(cudnn, "__version__", "?")
-        calls_fwd = FORWARD_ONLY
+        calls_fwd = FRONTEND_CALLS
     except Exception as e:
         result["cudnn_frontend"] = f"not importable: {type(e).__name__}: {e}"[:200]
         calls_fwd = {}
@@ -269,7 +296,7 @@ def main():
                     continue
                 try:
                     row["error"] = errors(fn, q, k, v, do, kp, causal, ref, backward)
-                    if kind in ("ones", "right"):
+                    if kind in ("ones", "right") and call not in CHECK_ONLY:
                         row.update(timings(fn, q, k, v, do, kp, causal, backward))
                 except Exception as e:  # the call refused this layout: that is the finding
                     row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
