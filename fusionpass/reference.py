@@ -43,11 +43,29 @@ def measured_gain(evidence: str) -> str:
     return f"{span} ({len(ratios)} case{'s' if len(ratios) > 1 else ''})"
 
 
+# A README table cell stays readable; the whole rule is in docs/fusions.md
+CELL_MAX = 400
+
+
+def _short(text: str, link: str, limit: int = 300) -> str:
+    """text where it fits `limit`, else its first clauses ("; "-separated) that do, and a link to
+    the rest."""
+    if len(text) <= limit:
+        return text
+    kept = []
+    for clause in text.split("; "):
+        if len("; ".join([*kept, clause])) > limit - 40:
+            break
+        kept.append(clause)
+    return "; ".join(kept or [text[:limit - 40]]) + f"; … ([all of it]({link}))"
+
+
 def fusions_table() -> str:
     from fusionpass.registry import registered
 
-    rows = [(f"[`{name}`](docs/fusions.md#{name})", f.summary or f.matches, f.selection(),
-             measured_gain(f.evidence), f"`{f.evidence}`") for name, f in registered().items()]
+    rows = [(f"[`{name}`](docs/fusions.md#{name})", f.summary or f.matches,
+             _short(f.selection(), f"docs/fusions.md#{name}"), measured_gain(f.evidence), f"`{f.evidence}`")
+            for name, f in registered().items()]
     return "\n".join(_table(("fusion", "what it matches", "selected", "plain / fusionpass where selected",
                               "measurements"), rows))
 
