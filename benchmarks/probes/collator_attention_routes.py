@@ -1,6 +1,7 @@
 """Issue 40 probe: which attention kernel can serve the mask every HF data collator passes (all ones,
 or right/left padding) at the speed of cuDNN's own causal kernel, with the lengths on the device
-(no host sync, no shape that depends on data). Results: benchmarks/results/kernel/collator_attention_routes.md.
+(no host sync, no shape that depends on data). Its results go to benchmarks/results/kernel/, under its
+name, once it has run on a GPU (not yet).
 
 Calls, each checked against float64 (forward and the three gradients, NaN-filled memory) before it
 is timed:
