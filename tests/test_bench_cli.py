@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
+import types
 
 import pytest
 
@@ -164,8 +164,11 @@ def test_png_chart(tmp_path):
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_short_steps_get_longer_samples():
-    # min_sample_ms: a 2 ms call timed in samples of at least 30 ms (15 calls), not of `iters` (3)
+def test_short_steps_get_longer_samples(monkeypatch):
+    # min_sample_ms: a 2 ms call timed in samples of at least 30 ms (15 calls), not of `iters` (3).
+    # The 2 ms are a fake clock's: a slept 2 ms is longer on a busy machine, and the count with it.
+    clock = [0.0]
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     calls = {"fast": 0, "slow": 0}
 
     def fast():
@@ -173,10 +176,10 @@ def test_short_steps_get_longer_samples():
 
     def slow():
         calls["slow"] += 1
-        time.sleep(0.002)
+        clock[0] += 0.002
 
     bench.time_interleaved({"fast": fast, "slow": slow}, "cpu", rounds=2, iters=3, warmup=1, min_sample_ms=30)
-    # one warm-up, one measuring call, two rounds of at least 15 calls (the slowest fn sets them)
-    assert calls["fast"] == calls["slow"] >= 2 + 2 * 15
+    # one warm-up, one measuring call, two rounds of 15 calls (the slowest fn sets them)
+    assert calls["fast"] == calls["slow"] == 2 + 2 * 15
     bench.time_interleaved({"slow": slow}, "cpu", rounds=2, iters=3, warmup=1)
     assert calls["slow"] - calls["fast"] == 1 + 2 * 3
