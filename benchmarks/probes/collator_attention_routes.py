@@ -275,6 +275,7 @@ def main():
         import cudnn
 
         result["cudnn_frontend"] = getattr(cudnn, "__version__", "?")
+        result["cudnn_backend_seen_by_frontend"] = cudnn.backend_version()
         calls_fwd = FRONTEND_CALLS
     except Exception as e:
         result["cudnn_frontend"] = f"not importable: {type(e).__name__}: {e}"[:200]
