@@ -79,8 +79,8 @@ FAMILIES: dict[str, Family] = {
                      dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
     "phi3": Family("Phi3Config", LLAMA_LAYER, LLAMA_ONCE, dict(resid_pdrop=0.0, embd_pdrop=0.0)),
     "olmo": Family("OlmoConfig", {**ATTENTION_LAYER, "swiglu_mlp": 1}, {"linear_cross_entropy": 1},
-                   gaps="OLMo's LayerNorm has no affine parameters and reads no residual sum: plain "
-                        "LayerNorms, Inductor's own"),
+                   gaps="OLMo's LayerNorm (no weight or bias) normalizes the residual sum cast to fp32 and "
+                        "casts back: the fusion does not read through the casts, and says nothing"),
     "granite": Family("GraniteConfig", LLAMA_LAYER, {"rms_norm_residual": 1},
                       gaps="linear_cross_entropy: the logits are divided by logits_scaling before the loss "
                            "(not a known op between projection and loss)"),
