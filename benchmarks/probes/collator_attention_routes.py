@@ -42,6 +42,8 @@ import torch.nn.functional as F
 import fusionpass  # noqa: F401  (registers fusionpass::flash_attention)
 from fusionpass.bench import cuda_graph_ms
 from fusionpass.kernels import attention as attention_kernel
+# the float64 reference and the broadcast-bias call are issue 19's probe's
+from cudnn_key_padding import cudnn_call, reference
 
 BF16 = torch.bfloat16
 # (name, B, Hq, Hkv, S, D, causal): the issue's Llama-3.2-1B shape (head dim 64), Llama-3-8B-like
@@ -80,13 +82,6 @@ def cudnn_causal(q, k, v, kp, causal):
     k, v = _repeat_kv(q, k, v)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-
-def cudnn_bias(q, k, v, kp, causal):
-    k, v = _repeat_kv(q, k, v)
-    bias = torch.zeros(kp.shape, dtype=q.dtype, device=q.device).masked_fill(~kp, float("-inf"))
-    bias = bias[:, None, None, :].expand(q.shape[0], 1, q.shape[2], k.shape[2])
-    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, causal, False)[0]
 
 
 def ragged_lengths(kp):
@@ -170,7 +165,7 @@ def cudnn_frontend_padded_fwd(q, k, v, kp, causal):
 
 
 CALLS = {"cudnn causal, no mask": cudnn_causal, "cudnn ragged": cudnn_ragged,
-         "cudnn ragged, aten's autograd": cudnn_ragged_aten_autograd, "cudnn + broadcast bias": cudnn_bias,
+         "cudnn ragged, aten's autograd": cudnn_ragged_aten_autograd, "cudnn + broadcast bias": cudnn_call,
          "fusionpass kernel": fusionpass_kernel}
 FORWARD_ONLY = {"cudnn-frontend padded fwd": cudnn_frontend_padded_fwd}
 FRONTEND_CALLS = {"cudnn-frontend padded": cudnn_frontend_padded,
@@ -187,20 +182,6 @@ def prefix_rows(kp):
 
 
 # --- checks and timing --------------------------------------------------------------------------
-def reference(q, k, v, do, kp, causal):
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    kk, vv = _repeat_kv(q64, k64, v64)
-    B, S = kp.shape
-    vis = kp[:, None, None, :].expand(B, 1, S, S)
-    if causal:
-        vis = vis & torch.ones(S, S, dtype=torch.bool, device=kp.device).tril()
-    s = (q64 @ kk.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    empty = ~vis.any(-1, keepdim=True)
-    p = torch.softmax(s.masked_fill(~vis & ~empty, float("-inf")), -1) * vis  # rows with no key: 0
-    out = p @ vv
-    return (out.detach(), *torch.autograd.grad(out, (q64, k64, v64), do.double()))
-
-
 def errors(fn, q, k, v, do, kp, causal, ref, backward=True):
     torch.utils.deterministic.fill_uninitialized_memory = True  # what a call leaves unwritten reads NaN
     qg, kg, vg = (t.detach().clone().requires_grad_(backward) for t in (q, k, v))

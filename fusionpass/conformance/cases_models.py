@@ -177,18 +177,19 @@ for _name in ("llama", "qwen2"):
     ))
 
 
-class _TrainerLM(nn.Module):
+class TrainerLM(nn.Module):
     """A step as the HF Trainer with bf16=True runs it: accelerate's autocast around the forward, a
     collator's all-ones attention_mask, and the returned logits converted to fp32
     (`convert_outputs_to_fp32`). The float64 reference is unchanged by the autocast (float64 tensors
-    are not autocast's to cast), so it is the exact function the bf16 computation approximates."""
+    are not autocast's to cast), so it is the exact function the bf16 computation approximates.
+    `autocast=False`: the same step of a bf16 model without bf16=True (the census's bf16 mode)."""
 
-    def __init__(self, model):
+    def __init__(self, model, autocast: bool = True):
         super().__init__()
-        self.model = model
+        self.model, self.autocast = model, autocast
 
     def forward(self, input_ids, labels):
-        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16):
+        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=labels)
         return out.loss, out.logits.float()
 
@@ -203,7 +204,7 @@ for _name, _weights in (("llama", torch.float32), ("llama", torch.bfloat16), ("q
     _w = dtype_name(_weights)
     CASES.append(Case(
         name=f"model/{_name}-trainer-amp/train/{_w}/B{_b}xS{_s}", fusion="model", variant=f"{_name}-trainer-amp",
-        make=_make(_cfg, _cls, _attn, _b, _s, _v, _mlm, _config, wrap=_TrainerLM),
+        make=_make(_cfg, _cls, _attn, _b, _s, _v, _mlm, _config, wrap=TrainerLM),
         dtype=_weights, train=True, expect=TRAINER_EXPECT, config={"linear_cross_entropy_min_vocab": 5000},
         eager_baseline=True, floor=FLOOR[torch.bfloat16], differentiated_outputs=1,
     ))

@@ -18,9 +18,9 @@ import dataclasses
 from collections.abc import Mapping
 
 import torch
-from torch import nn
 
 from fusionpass.conformance import FLOOR, Case
+from fusionpass.conformance.cases_models import TrainerLM
 
 # Shared by every tiny config: 2 layers, 4 query and 2 key/value heads of 64 channels, a 256-token
 # vocabulary, no dropout (a float64 reference cannot draw the compiled graph's masks).
@@ -124,20 +124,6 @@ FAMILIES: dict[str, Family] = {
                         gaps="as Mixtral (attention after the expert loop's graph breaks, experts' SwiGLU); "
                              "under autocast, as Qwen3, its q/k norms"),
 }
-
-
-class TrainerLM(nn.Module):
-    """model(input_ids, labels) -> (loss, fp32 logits), as the HF Trainer's step calls it: an
-    all-ones attention_mask from the collator and, in "trainer-amp", accelerate's autocast."""
-
-    def __init__(self, model, autocast: bool):
-        super().__init__()
-        self.model, self.autocast = model, autocast
-
-    def forward(self, input_ids, labels):
-        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=labels)
-        return out.loss, out.logits.float()
 
 
 def _make(family: Family, autocast: bool):
