@@ -12,6 +12,7 @@ import functools
 import torch
 
 from fusionpass import config as config_mod
+from fusionpass import hf_trainer
 from fusionpass.passes import PreGradFusionPass, chained
 
 
@@ -73,18 +74,25 @@ def register() -> None:
         dynamo_registry.register_backend(compiler_fn=fusionpass, name="fusionpass")
 
 
-def install(fusions=None, **config_overrides):
+def install(fusions=None, *, trainer_loss_only: bool = True, **config_overrides):
     """Give every Inductor compile in this process the fusions, until `uninstall()`.
 
     The pass goes on Inductor's own hook, so it reaches compiles that fusionpass never sees being
     made: the default backend, accelerate/Trainer's `torch_compile=True`, Lightning, torchtitan's
     per-block `torch.compile`, transformers' `generate()` compile. Calling it again replaces the
     settings; a pass the user had on the hook keeps running after ours. Returns the Config.
+
+    trainer_loss_only: where the HF Trainer's `compute_loss` provably reads only the loss of a
+    compiled standard causal LM, it gets the loss without the logits (fusionpass/hf_trainer.py).
     """
     from torch._inductor import config as inductor_config
 
     cfg = config_mod.make(fusions, **config_overrides)
     inductor_config.pre_grad_custom_pass = chained(cfg, inductor_config.pre_grad_custom_pass)
+    if trainer_loss_only:
+        hf_trainer.install()
+    else:
+        hf_trainer.uninstall()
     return cfg
 
 
@@ -96,6 +104,7 @@ def uninstall() -> None:
     hook = inductor_config.pre_grad_custom_pass
     if isinstance(hook, PreGradFusionPass):
         inductor_config.pre_grad_custom_pass = hook.replaced
+    hf_trainer.uninstall()
 
 
 @contextlib.contextmanager
@@ -109,7 +118,7 @@ def enabled(fusions=None, **config_overrides):
     """
     from torch._inductor import config as inductor_config
 
-    previous = inductor_config.pre_grad_custom_pass
+    previous, trainer_routed = inductor_config.pre_grad_custom_pass, hf_trainer.installed()
     cfg = install(fusions, **config_overrides)
     original_compile = torch.compile
 
@@ -125,3 +134,5 @@ def enabled(fusions=None, **config_overrides):
     finally:
         torch.compile = original_compile
         inductor_config.pre_grad_custom_pass = previous
+        if not trainer_routed:
+            hf_trainer.uninstall()
