@@ -95,7 +95,7 @@ def _eligible(arg, device: str, dtype: torch.dtype) -> bool:
             and t.dtype not in (torch.float64, dtype))
 
 
-def _root(arg: fx.Node, user: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+def _root(arg: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     """The tensor a chain of shape-only ops with one reader each leads from (and the chain, first
     op first), for a cast above them."""
     chain = []
@@ -106,22 +106,6 @@ def _root(arg: fx.Node, user: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
         chain.append(node)
         node = g.first_arg(node)
     return node, list(reversed(chain))
-
-
-def _refresh(node: fx.Node) -> None:
-    """Recompute a node's example value after its input changed dtype."""
-    mode = g.fake_mode_of(node.all_input_nodes)
-
-    def fake(a):
-        return g.value(a) if isinstance(a, fx.Node) else a
-
-    args = fx.node.map_aggregate(node.args, fake)
-    kwargs = fx.node.map_aggregate(node.kwargs, fake)
-    with mode:
-        if node.op == "call_method":
-            node.meta["example_value"] = getattr(args[0], node.target)(*args[1:], **kwargs)
-        else:
-            node.meta["example_value"] = node.target(*args, **kwargs)
 
 
 def _cast_after(graph: fx.Graph, root: fx.Node, dtype: torch.dtype, like: fx.Node) -> fx.Node:
@@ -135,8 +119,7 @@ def _cast_after(graph: fx.Graph, root: fx.Node, dtype: torch.dtype, like: fx.Nod
     with inserting:
         cast = graph.call_method("to", (root, dtype))
     g.copy_provenance(cast, like)
-    with g.fake_mode_of([root]):
-        cast.meta["example_value"] = g.value(root).to(dtype)
+    g.refresh_value(cast)
     return cast
 
 
@@ -159,7 +142,7 @@ def make_explicit(graph: fx.Graph) -> int:
         for arg in dict.fromkeys(node.all_input_nodes):
             if not _eligible(arg, device, dtype):
                 continue
-            root, chain = _root(arg, node)
+            root, chain = _root(arg)
             cast = casts.get((root, dtype))
             if cast is None:
                 cast = casts[(root, dtype)] = _cast_after(graph, root, dtype, like=node)
@@ -167,15 +150,15 @@ def make_explicit(graph: fx.Graph) -> int:
             if chain:
                 chain[0].replace_input_with(root, cast)
                 for link in chain:
-                    _refresh(link)
+                    g.refresh_value(link)
             else:
                 node.replace_input_with(arg, cast)
     return added
 
 
 def rounded_by_readers(node: fx.Node) -> torch.dtype | None:
-    """The narrower float dtype every reader casts `node` to (autocast's casts in front of the
-    attention, made explicit above), or None. A replacement that computes `node` in fp32 may then
+    """The narrower float dtype every reader casts `node` to (any cast: autocast's, made explicit
+    above, in front of the attention, or the model's own `.to()`), or None. A replacement that computes `node` in fp32 may then
     write that dtype directly: the value every reader sees is the same rounding of the same fp32."""
     users = list(node.users)
     dtypes = {g.dtype(u) for u in users if g.cast_source(u) is node}

@@ -296,15 +296,27 @@ def insert_call(graph: fx.Graph, before: fx.Node, target, args: tuple, like: fx.
     with graph.inserting_before(before):
         new = graph.call_function(target, args, kwargs)
     copy_provenance(new, like)
-    inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, fx.Node)]
-    mode = fake_mode_of(inputs)
-    if mode is not None:
-        def fake(a):
-            return value(a) if isinstance(a, fx.Node) else a
-
-        with mode:
-            new.meta["example_value"] = target(*map(fake, args), **{k: fake(v) for k, v in kwargs.items()})
+    refresh_value(new)
     return new
+
+
+def refresh_value(node: fx.Node) -> None:
+    """(Re)compute a call's example value from its inputs' under the graph's fake mode: after it is
+    inserted, or after an input changed dtype (later patterns read it). No fake mode, no value."""
+    mode = fake_mode_of(node.all_input_nodes)
+    if mode is None:
+        return
+
+    def fake(a):
+        return value(a) if isinstance(a, fx.Node) else a
+
+    args = fx.node.map_aggregate(node.args, fake)
+    kwargs = fx.node.map_aggregate(node.kwargs, fake)
+    with mode:
+        if node.op == "call_method":
+            node.meta["example_value"] = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            node.meta["example_value"] = node.target(*args, **kwargs)
 
 
 def insert_getitems(graph: fx.Graph, tuple_node: fx.Node, count: int) -> list[fx.Node]:
