@@ -185,12 +185,12 @@ class PreGradFusionPass(CustomGraphPass):
                 changed += registry.apply(fusion, graph, self.config, record)
                 record.seconds[name] = time.perf_counter() - start
         if changed:
-            from torch._inductor.pattern_matcher import stable_topological_sort
-
             start = time.perf_counter()
-            stable_topological_sort(graph)
-            graph.lint()
+            _sort_and_lint(graph)
             record.seconds["(sort and lint)"] = time.perf_counter() - start
+        start = time.perf_counter()
+        if self.config.fusions and self._checkpointed_layers(graph, record):
+            record.seconds["(checkpointed layers)"] = time.perf_counter() - start
         _log_record(record, len(graph.nodes))
         _LOG.debug("fusionpass pass over %d nodes (compile %s): %.1f ms; %s", len(graph.nodes),
                    record.compile_id, 1e3 * sum(record.seconds.values()),
@@ -198,6 +198,31 @@ class PreGradFusionPass(CustomGraphPass):
         STATISTICS.add(record)
         if self.inner is not None:
             self.inner(graph)
+
+    def _checkpointed_layers(self, graph: fx.Graph, record) -> int:
+        """Fuse again in the bodies of the checkpointed layers this graph calls, knowing what the
+        call passes them. Inductor runs the pass on each body first, alone (`_recursive_pre_grad_passes`),
+        where the autocast state at the call and the mask the model built are unknown: its linears
+        keep autocast's casts implicit, and its attention mask is an unprovable input. Here both
+        come from this graph: autocast's casts under the state at the call, and masks proven
+        through the call's operands (patterns/masks.proven_in_caller)."""
+        from fusionpass.patterns import autocast, masks
+        from fusionpass.patterns import graph as g
+
+        bodies = g.checkpointed_bodies(graph)
+        at = autocast.states(graph) if bodies else {}
+        changed = 0
+        for body, arguments, call in bodies:
+            edits = autocast.make_explicit(body.graph, at.get(call))
+            with masks.proven_in_caller(arguments):
+                for name, fusion in registry.registered().items():
+                    if name in self.config.fusions:
+                        edits += registry.apply(fusion, body.graph, self.config, record)
+            if edits:
+                _sort_and_lint(body.graph)
+                body.recompile()
+            changed += edits
+        return changed
 
     def uuid(self) -> str:
         import triton
@@ -216,6 +241,13 @@ class PreGradFusionPass(CustomGraphPass):
                 return None
             parts.append(repr(inner_uuid))
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _sort_and_lint(graph: fx.Graph) -> None:
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    stable_topological_sort(graph)
+    graph.lint()
 
 
 def chained(config: Config, existing) -> PreGradFusionPass:

@@ -4,6 +4,9 @@ key-padding vector a mask reads, proven to be `attention_mask[batch, kv]`.
 """
 from __future__ import annotations
 
+import dataclasses
+import operator
+
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -50,7 +53,41 @@ def key_padding_vector(found: masks.MaskKind, mask: fx.Node, args: dict) -> fx.N
             why = f"key-padding tensor of shape {tuple(t.shape)}, not [{q.shape[0]}, {k.shape[-2]}]"
     if why is not None:
         raise NearMiss(f"key padding not provably attention_mask[batch, kv]: {why}")
+    if source.graph is not mask.graph:
+        return _row_of_the_mask(found, mask)
     return source
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskRow:
+    """The key-padding vector of a mask proven in the caller's graph (a checkpointed layer, whose
+    attention_mask lives in the model's graph): a row of the layer's own mask input,
+    `mask[:, 0, row, :]`, the row that sees every key the padding keeps. `key_padding_node` writes
+    it into the graph when the replacement is made."""
+
+    mask: fx.Node
+    row: int
+
+
+def _row_of_the_mask(found: masks.MaskKind, mask: fx.Node) -> MaskRow:
+    """An all-true mask AND padding is the padding in every row; a causal one (kv <= q) over square
+    scores in its last row, where kv <= q holds for every key. Windows and diagonal offsets hide
+    keys in every row, so no row is the padding alone."""
+    m = g.tensor(mask)
+    if found.kind == "none":
+        return MaskRow(mask, 0)
+    if found.kind == "causal" and found.shift == 0 and statically_known_true(m.shape[-2] == m.shape[-1]):
+        return MaskRow(mask, -1)
+    raise NearMiss(f"{found.detail}, proven in the calling graph: no row of the mask is the key padding alone "
+                   "(only causal masks over square scores and all-true masks have one)")
+
+
+def key_padding_node(graph: fx.Graph, before: fx.Node, key_padding):
+    """The [B, Lk] key-padding node a replacement passes to the kernel (None stays None)."""
+    if not isinstance(key_padding, MaskRow):
+        return key_padding
+    index = (slice(None), 0, key_padding.row, slice(None))
+    return g.insert_call(graph, before, operator.getitem, (key_padding.mask, index), before)
 
 
 def _nondecreasing_rows(node: fx.Node) -> bool:

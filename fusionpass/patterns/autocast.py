@@ -72,9 +72,10 @@ def ambient() -> State:
         (d, torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in DEVICES)))
 
 
-def states(graph: fx.Graph) -> dict[fx.Node, State]:
-    """The autocast state at every node, from the ambient one and the regions in the graph."""
-    stack = [ambient()]
+def states(graph: fx.Graph, start: State | None = None) -> dict[fx.Node, State]:
+    """The autocast state at every node, from `start` (default the ambient one; a called
+    subgraph's: the state at its call) and the regions in the graph."""
+    stack = [start if start is not None else ambient()]
     entered: dict[fx.Node, int] = {}
     out = {}
     for node in graph.nodes:
@@ -123,10 +124,10 @@ def _cast_after(graph: fx.Graph, root: fx.Node, dtype: torch.dtype, like: fx.Nod
     return cast
 
 
-def make_explicit(graph: fx.Graph) -> int:
-    """Write autocast's casts of the lower-precision ops' inputs into the graph; returns how many
-    casts were added."""
-    at = states(graph)
+def make_explicit(graph: fx.Graph, start: State | None = None) -> int:
+    """Write autocast's casts of the lower-precision ops' inputs into the graph (under `start`, as
+    `states`); returns how many casts were added."""
+    at = states(graph, start)
     casts: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
     added = 0
     for node in list(graph.nodes):

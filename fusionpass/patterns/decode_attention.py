@@ -149,6 +149,8 @@ def decode_mask(mask: fx.Node, args: dict) -> tuple[fx.Node, int, int, list[fx.N
             raise NearMiss("decode mask with more than the causal term and one key-padding lookup "
                            f"({'; '.join(k.detail for k in kinds)})")
         key_padding = key_padding_vector(kinds[0], mask, args)
+        if not isinstance(key_padding, fx.Node):
+            raise NearMiss("decode mask proven in the calling graph: its key padding is not a tensor of this graph")
         for k in kinds:
             padding_nodes += k.nodes
         nodes += padding_nodes

@@ -295,6 +295,7 @@ def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
         key_bias = None
     # kernel_constants: a shift other than 0 is Lk - Lq (bottom-right), or a band's over square scores
     band = _band_over_square(b)
+    b = {**b, "key_padding": ak.key_padding_node(graph, node, b["key_padding"])}
     options = dict(key_padding=b["key_padding"], key_bias=key_bias, scale=scale, causal=causal,
                    window=b["window"] or 0, align_bottom_right=b["shift"] != 0 and not band,
                    diagonal=b["shift"] if band else 0, dropout_p=p, seed=seed, segments=b.get("segments"))

@@ -372,3 +372,26 @@ def swaps_heads_and_tokens(node) -> bool:
         dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
         return [d % 4 if isinstance(d, int) else d for d in dims] == [0, 2, 1, 3]
     return False
+
+
+def checkpointed_bodies(graph: fx.Graph) -> list[tuple[fx.GraphModule, dict[fx.Node, object], fx.Node]]:
+    """The bodies of the checkpointed regions `graph` calls (torch.utils.checkpoint under
+    torch.compile: `tag_activation_checkpoint(body, *operands, **checkpoint_options)`, the body run
+    as body(*operands) in the forward and again in the backward), each with {its placeholder: the
+    operand its call passes} and the call. A body whose placeholders do not pair with the operands
+    one to one is left out."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    module = graph.owning_module
+    out = []
+    for node in graph.nodes:
+        if hop is None or module is None or node.op != "call_function" or node.target is not hop:
+            continue
+        attr = node.args[0] if node.args else None
+        body = getattr(module, attr.target, None) if isinstance(attr, fx.Node) and attr.op == "get_attr" else None
+        if not isinstance(body, fx.GraphModule):
+            continue
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(node.args) - 1:
+            continue
+        out.append((body, dict(zip(placeholders, node.args[1:])), node))
+    return out

@@ -18,6 +18,8 @@ Any op outside that vocabulary makes the mask unprovable (a near miss with its n
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import operator
 
@@ -27,6 +29,23 @@ import torch.fx as fx
 from fusionpass.patterns import graph as g
 
 Q_AXIS, KV_AXIS = -2, -1
+
+# {placeholder of a called subgraph: the argument its caller passes}, while the pass proves masks
+# in the body of a checkpointed layer from the graph that calls it (`proven_in_caller`)
+_CALLER_ARGUMENTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fusionpass_caller_arguments",
+                                                                                default=None)
+
+
+@contextlib.contextmanager
+def proven_in_caller(arguments: dict):
+    """While open, a mask that is an input of a called subgraph (a `tag_activation_checkpoint`
+    body: a checkpointed layer) is evaluated as the value its caller passes: the body computes
+    with exactly that tensor, in the forward and in the backward's recomputation alike."""
+    token = _CALLER_ARGUMENTS.set(arguments)
+    try:
+        yield
+    finally:
+        _CALLER_ARGUMENTS.reset(token)
 
 
 class Unprovable(Exception):
@@ -376,6 +395,9 @@ class MaskAnalysis:
         return self.memo[arg]
 
     def _eval(self, node: fx.Node):
+        caller = _CALLER_ARGUMENTS.get()
+        if node.op == "placeholder" and caller is not None and node in caller:
+            return self.value(caller[node])
         if node.op == "placeholder":
             # built in another graph: a graph break, or DDP's graph split at bucket boundaries
             # (docs/parallelism.md), hands this graph the finished mask, whose values are unknown
@@ -530,20 +552,25 @@ def is_band(shift: int | None, window: int | None) -> bool:
 
 def classify(mask: fx.Node) -> MaskKind:
     analysis = MaskAnalysis()
+    # the mask's own graph's nodes only: a proof that followed a checkpointed layer's input into
+    # its caller (proven_in_caller) reads the caller's nodes, which are not this graph's to erase
+    def own(found):
+        return frozenset(n for n in found if n.graph is mask.graph)
+
     try:
         value = analysis.value(mask)
     except Unprovable as why:
-        return MaskKind("other", str(why), frozenset(analysis.nodes))
+        return MaskKind("other", str(why), own(analysis.nodes))
     if isinstance(value, Constant) and value.value is True:
         value = TRUE
     if isinstance(value, Lookup):
         try:
             value = _as_mask(value)
         except Unprovable as why:
-            return MaskKind("other", str(why), frozenset(analysis.nodes))
+            return MaskKind("other", str(why), own(analysis.nodes))
     if not isinstance(value, Conjunction):
-        return MaskKind("other", "not a boolean mask", frozenset(analysis.nodes))
-    nodes = frozenset(analysis.nodes)
+        return MaskKind("other", "not a boolean mask", own(analysis.nodes))
+    nodes = own(analysis.nodes)
     positions = terms_of_runtime(value.runtime, POSITIONS)
     if positions:
         segmented = {segments_of(r.source) for r in terms_of_runtime(value.runtime, SEGMENTS)}
