@@ -194,6 +194,15 @@ class TrainerLM(nn.Module):
         return out.loss, out.logits.float()
 
 
+class _CheckpointedTrainerLM(_TrainerLM):
+    """_TrainerLM with gradient_checkpointing=True: each layer a checkpointed body the model's graph
+    calls, its mask and autocast state proven there."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        model.gradient_checkpointing_enable()
+
+
 # The Trainer's path (bf16=True): autocast over fp32 weights (a model built from a config) and over
 # bf16 weights, every fusion of the layer matched (the vocabulary bound opened for the loss). The
 # arithmetic is bf16 whatever the weights, so the floor is bf16's.
@@ -208,3 +217,11 @@ for _name, _weights in (("llama", torch.float32), ("llama", torch.bfloat16), ("q
         dtype=_weights, train=True, expect=TRAINER_EXPECT, config={"linear_cross_entropy_min_vocab": 5000},
         eager_baseline=True, floor=FLOOR[torch.bfloat16], differentiated_outputs=1,
     ))
+_cfg, _cls, _attn, _b, _s, _v, _mlm, _config = MODELS["llama"]
+CASES.append(Case(
+    name=f"model/llama-trainer-amp-checkpointing/train/fp32/B{_b}xS{_s}", fusion="model",
+    variant="llama-trainer-amp-checkpointing",
+    make=_make(_cfg, _cls, _attn, _b, _s, _v, _mlm, _config, wrap=_CheckpointedTrainerLM),
+    dtype=torch.float32, train=True, expect=TRAINER_EXPECT, config={"linear_cross_entropy_min_vocab": 5000},
+    eager_baseline=True, floor=FLOOR[torch.bfloat16], differentiated_outputs=1,
+))
