@@ -126,6 +126,8 @@ def segment_vector(found: masks.MaskKind, mask: fx.Node, args: dict) -> fx.Node:
             why = f"segment tensor of shape {tuple(t.shape)} over {q.shape[-2]} queries and {k.shape[-2]} keys"
         if why is None and not _nondecreasing_rows(term.source):
             why = "segment ids not proven nondecreasing along the sequence (a cumsum of a bool tensor)"
+        if why is None and term.source.graph is not mask.graph:
+            why = "the segment ids live in the calling graph (a checkpointed layer), not in this one"
     if why is not None:
         raise NearMiss(f"sequence segments not provably seg[batch, q] == seg[batch, kv]: {why}")
     return term.source

@@ -40,6 +40,8 @@ def _search(kind: str):
         if any(r.what != masks.KEY_PADDING for r in found.runtime):
             return None  # sequence segments: no all-true check makes them vanish
         sources = tuple(dict.fromkeys(r.source for r in found.runtime))
+        if any(s.graph is not node.graph for s in sources):
+            return None  # the attention_mask lives in the calling graph (a checkpointed layer)
         return Match(variant=f"{kind}_mask_if_unpadded", anchor=node, nodes=[node],
                      bindings=dict(args=args, mask=mask, mask_nodes=found.nodes, padding=sources, kind=kind))
 
