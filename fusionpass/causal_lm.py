@@ -18,6 +18,7 @@ soft-capping, Cohere's logit scale) is refused with the reason, never given a di
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -25,6 +26,7 @@ import torch
 __all__ = ["LossOnly", "loss_only"]
 
 
+@functools.lru_cache(maxsize=None)  # a class's source does not change; the Trainer asks every step
 def _forward_body(cls) -> str | None:
     """The source of cls.forward without its signature and docstring, or None if unreadable."""
     try:
