@@ -14,8 +14,8 @@ custom loss (they read the logits), a model wrapped for DDP/FSDP/DeepSpeed or no
 on the model, and any forward other than the standard causal-LM forward.
 
 Liger-Kernel skips the logits in training whenever labels are given, inside the model's forward, so
-a caller that reads `outputs.logits` gets None (its users' reports: token-accuracy metrics lost in
-TRL, linkedin/Liger-Kernel#328 and #314). Here the model's own forward is never changed: only this
+a caller that reads `outputs.logits` gets None (its users' report: a token-accuracy metric lost,
+linkedin/Liger-Kernel#328; Liger later computed the accuracy inside its loss kernel for TRL). Here the model's own forward is never changed: only this
 one call site, which is proven to drop them, stops receiving them.
 """
 from __future__ import annotations
