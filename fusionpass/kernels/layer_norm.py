@@ -67,7 +67,8 @@ def _fwd_kernel(
     eps, scale, seed_lo, seed_hi, off_lo, off_hi, thr,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, STORE_H: tl.constexpr, REREAD_H: tl.constexpr,
-    ROUND_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+    H_FP32: tl.constexpr, ROUND_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     # torch.compile passes Python floats as fp64 scalars; the math is fp32.
     eps = tl.cast(eps, tl.float32)
@@ -79,6 +80,9 @@ def _fwd_kernel(
     # from x and residual (when h is not stored), and writes y.
     IN_DT: tl.constexpr = X.dtype.element_ty
     OUT_DT: tl.constexpr = Y.dtype.element_ty
+    # h's dtype: x's, or fp32 where a 16-bit x meets an fp32 residual (autocast's promotion: the
+    # residual stream stays fp32 while the block's output is bf16), or the other way round
+    H_DT: tl.constexpr = tl.float32 if H_FP32 else IN_DT
     k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -90,7 +94,7 @@ def _fwd_kernel(
         c = cols[None, :]
         mask = row_ok[:, None] & (c < N)
         h = _load_h(X, R, roff, rows, 0, c, mask, stride_x, stride_r, scale, k0, k1, o0, o1, t,
-                    HAS_RESIDUAL, DROPOUT, IN_DT, ROUND_BITS, BLOCK_M, BLOCK_N, "evict_first")
+                    HAS_RESIDUAL, DROPOUT, IN_DT, H_DT, ROUND_BITS, BLOCK_M, BLOCK_N, "evict_first")
         if STORE_H:
             tl.store(H + roff * stride_h + c, h, mask=mask)
         mean = tl.sum(h, axis=1) / N
@@ -115,11 +119,11 @@ def _fwd_kernel(
             if STORE_H:
                 # pass 2 reads h back: x and residual are done with
                 h = _load_h(X, R, roff, rows, c0, c, mask, stride_x, stride_r, scale, k0, k1, o0, o1, t,
-                            HAS_RESIDUAL, DROPOUT, IN_DT, ROUND_BITS, BLOCK_M, BLOCK_N, "evict_first")
+                            HAS_RESIDUAL, DROPOUT, IN_DT, H_DT, ROUND_BITS, BLOCK_M, BLOCK_N, "evict_first")
                 tl.store(H + roff * stride_h + c, h, mask=mask, eviction_policy="evict_last")
             else:
                 h = _load_h(X, R, roff, rows, c0, c, mask, stride_x, stride_r, scale, k0, k1, o0, o1, t,
-                            HAS_RESIDUAL, DROPOUT, IN_DT, ROUND_BITS, BLOCK_M, BLOCK_N, "evict_last")
+                            HAS_RESIDUAL, DROPOUT, IN_DT, H_DT, ROUND_BITS, BLOCK_M, BLOCK_N, "evict_last")
             n_old = tl.cast(c0, tl.float32)
             cnt = tl.cast(tl.minimum(N - c0, BLOCK_N), tl.float32)
             n_new = n_old + cnt
@@ -139,23 +143,24 @@ def _fwd_kernel(
                 h = h.to(tl.float32)
             else:
                 h = _load_h(X, R, roff, rows, c0, c, mask, stride_x, stride_r, scale, k0, k1, o0, o1, t,
-                            HAS_RESIDUAL, DROPOUT, IN_DT, ROUND_BITS, BLOCK_M, BLOCK_N, "evict_first")
+                            HAS_RESIDUAL, DROPOUT, IN_DT, H_DT, ROUND_BITS, BLOCK_M, BLOCK_N, "evict_first")
             _fwd_store_y(h - mean[:, None], rstd, W, B, Y, roff, c, mask, N, stride_y,
                          HAS_WEIGHT, HAS_BIAS, OUT_DT, ROUND_BITS)
 
 
 @triton.jit
 def _load_h(X, R, roff, rows, c0, c, mask, stride_x, stride_r, scale, k0, k1, o0, o1, t,
-            HAS_RESIDUAL: tl.constexpr, DROPOUT: tl.constexpr, IN_DT: tl.constexpr,
+            HAS_RESIDUAL: tl.constexpr, DROPOUT: tl.constexpr, IN_DT: tl.constexpr, H_DT: tl.constexpr,
             ROUND_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
-    """h = round(dropout(x)) (+ r, rounded) in fp32, as the model computes it in the input dtype."""
+    """h = round(dropout(x)) (+ r, rounded to h's dtype) in fp32, as the model computes it: the
+    dropout in x's dtype, the add in the promoted one."""
     h = tl.load(X + roff * stride_x + c, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     if DROPOUT:
         keep = keep_mask(k0, k1, o0, o1, t, rows, c0, BLOCK_M, BLOCK_N)
         h = tl.where(keep, _round(h * scale, IN_DT, ROUND_BITS), 0.0)
     if HAS_RESIDUAL:
         r = tl.load(R + roff * stride_r + c, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        h = _round(h + r, IN_DT, ROUND_BITS)
+        h = _round(h + r, H_DT, ROUND_BITS)
     return h
 
 
@@ -176,16 +181,16 @@ def _fwd_store_y(xc, rstd, W, B, Y, roff, c, mask, N, stride_y,
 # --------------------------------------------------------------------------------------------------
 @triton.jit
 def _bwd_grads(dt, rows, c0, DX, DR, roff, c, mask, stride_dx, stride_dr, scale, k0, k1, o0, o1, t,
-               DROPOUT: tl.constexpr, STORE_DR: tl.constexpr, IN_DT: tl.constexpr, DX_DT: tl.constexpr,
+               DROPOUT: tl.constexpr, STORE_DR: tl.constexpr, DX_DT: tl.constexpr, DR_DT: tl.constexpr,
                ROUND_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Store dx (and dresidual) from dh_total (fp32). Autograd rounds the gradient of h (= of d and
-    of residual) to the input dtype before dropout's backward scales it."""
+    """Store dx (and dresidual) from dh_total (fp32). The add's backward hands each operand the
+    gradient in its own dtype: dresidual in the residual's, and the dropped x's in x's, rounded
+    before dropout's backward scales it."""
+    if STORE_DR:
+        tl.store(DR + roff * stride_dr + c, _for_store(dt, DR_DT, ROUND_BITS), mask=mask)
     if DROPOUT:
-        dr = _round(dt, IN_DT, ROUND_BITS)
-        if STORE_DR:
-            tl.store(DR + roff * stride_dr + c, dr, mask=mask)
         keep = keep_mask(k0, k1, o0, o1, t, rows, c0, BLOCK_M, BLOCK_N)
-        dx = tl.where(keep, dr * scale, 0.0)
+        dx = tl.where(keep, _round(dt, DX_DT, ROUND_BITS) * scale, 0.0)
     else:
         dx = dt
     tl.store(DX + roff * stride_dx + c, _for_store(dx, DX_DT, ROUND_BITS), mask=mask)
@@ -203,8 +208,8 @@ def _bwd_kernel(
     # Persistent: each program walks row tiles pid, pid + G, ... and keeps its dweight and dbias
     # partials in registers across them, writing them once to DWP[pid, :] / DBP[pid, :] (no atomics).
     scale = tl.cast(scale, tl.float32)
-    IN_DT: tl.constexpr = H.dtype.element_ty
     DX_DT: tl.constexpr = DX.dtype.element_ty
+    DR_DT: tl.constexpr = DR.dtype.element_ty
     k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -237,7 +242,7 @@ def _bwd_kernel(
             dt += tl.load(DH + roff * stride_dh + c, mask=mask, other=0.0,
                           eviction_policy="evict_first").to(tl.float32)
         _bwd_grads(dt, rows, 0, DX, DR, roff, c, mask, stride_dx, stride_dr, scale, k0, k1, o0, o1, t,
-                   DROPOUT, STORE_DR, IN_DT, DX_DT, ROUND_BITS, BLOCK_M, BLOCK_N)
+                   DROPOUT, STORE_DR, DX_DT, DR_DT, ROUND_BITS, BLOCK_M, BLOCK_N)
         if NEED_DW:
             dw_acc += dy * xhat
         if NEED_DB:
@@ -261,8 +266,8 @@ def _bwd_chunked_kernel(
     # dresidual) and adds into this program's own partial rows DWP[pid, :], DBP[pid, :], which no
     # other program touches.
     scale = tl.cast(scale, tl.float32)
-    IN_DT: tl.constexpr = H.dtype.element_ty
     DX_DT: tl.constexpr = DX.dtype.element_ty
+    DR_DT: tl.constexpr = DR.dtype.element_ty
     k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -315,7 +320,7 @@ def _bwd_chunked_kernel(
             if HAS_DH:
                 dt += tl.load(DH + roff * stride_dh + c, mask=m, other=0.0).to(tl.float32)
             _bwd_grads(dt[None, :], rows, c0, DX, DR, roff, c[None, :], m[None, :], stride_dx, stride_dr,
-                       scale, k0, k1, o0, o1, t, DROPOUT, STORE_DR, IN_DT, DX_DT, ROUND_BITS, 1, BLOCK_N)
+                       scale, k0, k1, o0, o1, t, DROPOUT, STORE_DR, DX_DT, DR_DT, ROUND_BITS, 1, BLOCK_N)
             # Same offsets and layout as the zeroing stores: each thread re-reads its own writes.
             if NEED_DW:
                 p = tl.load(dwp_row + c, mask=m, other=0.0)
@@ -399,6 +404,17 @@ def _check_param(p, n, device, what):
         raise ValueError(f"{what} must be contiguous")
 
 
+def sum_dtype(x_dtype: torch.dtype, residual_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of dropout(x) + residual: x's, or fp32 where one is fp32 and the other 16-bit
+    (the promotion autocast's fp32 residual stream meets). Two different 16-bit dtypes are refused:
+    their sum is fp32 in torch but no model writes it."""
+    if residual_dtype is None or residual_dtype == x_dtype:
+        return x_dtype
+    if torch.float32 in (x_dtype, residual_dtype) and {x_dtype, residual_dtype} <= set(_FLOAT_DTYPES):
+        return torch.float32
+    raise ValueError(f"residual dtype {residual_dtype} and x dtype {x_dtype}: one must be float32 or both equal")
+
+
 def layer_norm_fwd(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -416,8 +432,9 @@ def layer_norm_fwd(
     """LayerNorm of h = round(dropout(x, p)) (+ residual, rounded) over the last dim.
     Returns (y, h, mean, rstd).
 
-    y and h have x's dtype and shape: h is x itself when p == 0 and there is no residual, None when
-    `store_h` is False. mean and rstd are fp32 of shape [numel // N]. weight and bias ([N], x's dtype
+    y and h have x's shape and the dtype of dropout(x) + residual: x's, or fp32 where one of x and
+    residual is fp32 and the other 16-bit (the dropout rounds to x's dtype, the add to fp32). h is x
+    itself when p == 0 and there is no residual, None when `store_h` is False. mean and rstd are fp32 of shape [numel // N]. weight and bias ([N], x's dtype
     or fp32) are optional. With p > 0 the mask comes from (seed, offset) (see the module docstring):
     `seed` is a Python int or a one-element int64 tensor on x's device (use the tensor in traced
     code), `offset` an int. `residual_first` (the model wrote residual + dropout(x)) does not change
@@ -430,9 +447,9 @@ def layer_norm_fwd(
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError("x must have a non-empty last dimension")
     n = x.shape[-1]
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                 or residual.device != x.device):
-        raise ValueError("residual must match x in shape, dtype and device")
+    if residual is not None and (residual.shape != x.shape or residual.device != x.device):
+        raise ValueError("residual must match x in shape and device")
+    h_dtype = sum_dtype(x.dtype, None if residual is None else residual.dtype)
     _check_param(weight, n, x.device, "weight")
     _check_param(bias, n, x.device, "bias")
     rng = _rng_args(p, seed, offset, x.device)
@@ -440,12 +457,12 @@ def layer_norm_fwd(
 
     x2 = _as_2d(x, n)
     m = x2.shape[0]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=h_dtype, device=x.device)
     mean = torch.empty((m,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
     h_is_x = residual is None and not dropout
     write_h = store_h and not h_is_x
-    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if write_h else None
+    h = torch.empty(x.shape, dtype=h_dtype, device=x.device) if write_h else None
     h_out = (x if h_is_x else h) if store_h else None
     if isinstance(m, int) and m == 0:
         return y, h_out, mean, rstd
@@ -474,7 +491,8 @@ def _launch_fwd(x2, residual, weight, bias, eps, rng, dropout, y, h, h_is_x, mea
             float(eps), float(scale), lo, hi, olo, ohi, thr)
     flags = dict(HAS_RESIDUAL=has_res, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
                  DROPOUT=dropout, SEED_PTR=seed_t is not None, STORE_H=write_h,
-                 REREAD_H=write_h or h_is_x, ROUND_BITS=x2.device.type != "cuda")
+                 REREAD_H=write_h or h_is_x, H_FP32=y.dtype == torch.float32 != x2.dtype,
+                 ROUND_BITS=x2.device.type != "cuda")
     # Tiles of _TILE elements: whole short rows packed several per program, long rows in chunks.
     plan = _fwd_plan(n, write_h) if max_chunk is None else None
     if plan is not None:
@@ -506,16 +524,19 @@ def layer_norm_bwd(
     need_dweight: bool = True,
     need_dbias: bool = True,
     need_dresidual: bool = True,
+    x_dtype: torch.dtype | None = None,
+    residual_dtype: torch.dtype | None = None,
     max_chunk: int | None = None,
     num_programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of `layer_norm_fwd`. Returns (dx, dresidual, dweight, dbias).
 
-    dh (optional) is the gradient reaching h from its other uses. dx and dresidual have h's dtype
-    and shape. With p > 0 (same p, seed and offset as the forward) dresidual is a separate tensor,
-    or None when `need_dresidual` is False. With p == 0 the two gradients are equal and dresidual is
-    dx itself (one write; clone it where outputs must not alias), or None when `need_dresidual` is
-    False. dweight/dbias are in weight's/bias's dtype, None without the parameter or when not needed.
+    dh (optional) is the gradient reaching h from its other uses. dx and dresidual have h's shape,
+    and the dtypes of x and of the residual (`x_dtype`, `residual_dtype`: h's by default; they differ
+    from h's where the forward promoted the sum to fp32). With p > 0 (same p, seed and offset as the
+    forward), or dtypes that differ, dresidual is a separate tensor, or None when `need_dresidual`
+    is False. Otherwise the two gradients are equal and dresidual is dx itself (one write; clone it
+    where outputs must not alias), or None when `need_dresidual` is False. dweight/dbias are in weight's/bias's dtype, None without the parameter or when not needed.
     `max_chunk` (rows wider than this take the chunked path, with chunks of at most this many
     columns) and `num_programs` (persistent grid size) are tuning/testing knobs.
     """
@@ -540,9 +561,14 @@ def layer_norm_bwd(
 
     need_dw = bool(need_dweight) and weight is not None
     need_db = bool(need_dbias) and bias is not None
-    store_dr = bool(need_dresidual) and dropout
-    dx = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    dr = torch.empty(h.shape, dtype=h.dtype, device=h.device) if store_dr else None
+    x_dtype = x_dtype or h.dtype
+    residual_dtype = residual_dtype or h.dtype
+    if sum_dtype(x_dtype, residual_dtype) != h.dtype:
+        raise ValueError(f"h dtype {h.dtype} is not the sum's of x {x_dtype} and residual {residual_dtype}")
+    apart = dropout or residual_dtype != x_dtype
+    store_dr = bool(need_dresidual) and apart
+    dx = torch.empty(h.shape, dtype=x_dtype, device=h.device)
+    dr = torch.empty(h.shape, dtype=residual_dtype, device=h.device) if store_dr else None
     if isinstance(m, int) and m == 0:
         dw = torch.zeros_like(weight) if need_dw else None
         db = torch.zeros_like(bias) if need_db else None
@@ -550,7 +576,7 @@ def layer_norm_bwd(
         with _device_guard(h.device):
             dw, db = _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, need_db,
                                  dx, dr, max_chunk, num_programs)
-    if dropout:
+    if apart:
         dres = dr
     else:
         dres = dx if need_dresidual else None

@@ -4,6 +4,9 @@ The forward computes, per row of the last dimension (see fusionpass.kernels.laye
     d = dropout(x, p)                          keep ? round(x * s) : 0      (d = x when p == 0)
     h = round(d + residual)                    (h = d without a residual)
     y = round((h - mean) * rstd * weight + bias)
+`round` is to x's dtype, except that h and y are fp32 where x and residual are one fp32 and one
+16-bit (the sum's promotion, as under autocast, whose LayerNorm then computes in fp32); the backward
+returns each input's gradient in that input's dtype.
 and returns (y, h, mean, rstd); h is an empty tensor when `store_h` is False (inference with h
 used nowhere else). With p > 0 the keep mask is a function of the one-element int64 `seed` tensor:
 the backward regenerates it from the same tensor, so no mask is ever stored. The caller draws a
@@ -113,21 +116,22 @@ def _reference_forward(x, residual, weight, bias, seed, eps, p, store_h):
         y = y * weight.float()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype), (h if store_h else None), mean.squeeze(-1), rstd.squeeze(-1)
+    return y.to(h.dtype), (h if store_h else None), mean.squeeze(-1), rstd.squeeze(-1)
 
 
-def _reference_backward(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual):
+def _reference_backward(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual,
+                        x_dtype, residual_dtype):
     xhat = (h.float() - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
     g = dy.float() if weight is None else dy.float() * weight.float()
     total = rstd.unsqueeze(-1) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
     if dh is not None:
         total = total + dh.float()
-    dresidual = total.to(h.dtype)
-    dx = dresidual
+    dresidual = total.to(residual_dtype)
+    dx = total.to(x_dtype)
     if p > 0:
         _, scale = _dropout_constants(p)
-        scaled = (dresidual.float() * torch.tensor(scale, dtype=torch.float32)).to(h.dtype)
-        dx = torch.where(_keep_mask(h, p, seed), scaled, torch.zeros((), dtype=h.dtype))
+        scaled = (dx.float() * torch.tensor(scale, dtype=torch.float32)).to(x_dtype)
+        dx = torch.where(_keep_mask(h, p, seed), scaled, torch.zeros((), dtype=x_dtype))
     dweight = (_rows(dy.float()) * _rows(xhat)).sum(0).to(weight.dtype) if need_dweight else None
     dbias = _rows(dy.float()).sum(0).to(bias.dtype) if need_dbias else None
     return dx, (dresidual if need_dresidual else None), dweight, dbias
@@ -143,13 +147,20 @@ def _kernel_forward(x, residual, weight, bias, seed, eps, p, store_h):
     return layer_norm_fwd(x, residual, weight, bias, eps, p=p, seed=seed, store_h=store_h)
 
 
-def _kernel_backward(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual):
+def _kernel_backward(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual,
+                     x_dtype, residual_dtype):
     from fusionpass.kernels.layer_norm import layer_norm_bwd
 
     return layer_norm_bwd(
         dy, dh, h, mean, rstd, weight, bias, p=p, seed=seed, need_dweight=need_dweight,
-        need_dbias=need_dbias, need_dresidual=need_dresidual,
+        need_dbias=need_dbias, need_dresidual=need_dresidual, x_dtype=x_dtype, residual_dtype=residual_dtype,
     )
+
+
+def _sum_like(x: Tensor, residual: Tensor | None) -> Tensor:
+    """A contiguous output of x's shape in the dtype of x + residual."""
+    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    return x.new_empty(x.shape, dtype=dtype)
 
 
 def _forward_outputs(x, y, h, mean, rstd):
@@ -164,8 +175,9 @@ def _forward_outputs(x, y, h, mean, rstd):
 
 
 def _backward_outputs(h, dx, dresidual, dweight, dbias):
-    # with p == 0 the kernel returns dx itself as dresidual; autograd reuses dx (need_dresidual is
-    # only asked for with p > 0), so this never returns two views of one tensor
+    # with p == 0 and one dtype the kernel returns dx itself as dresidual; autograd reuses dx
+    # (need_dresidual is only asked for where they differ), so this never returns two views of one
+    # tensor
     if dresidual is dx:
         dresidual = dx.clone()
     return (
@@ -200,7 +212,8 @@ def _forward_host(
 @_forward_host.register_fake
 def _(x, residual, weight, bias, seed, eps, p, store_h):
     stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    return host.empty_like(x), (host.empty_like(x) if store_h else host.none(x)), stats, torch.empty_like(stats)
+    h = _sum_like(x, residual) if store_h else host.none(x)
+    return _sum_like(x, residual), h, stats, torch.empty_like(stats)
 
 
 @torch.library.custom_op("fusionpass::layer_norm_backward_host", mutates_args=())
@@ -217,17 +230,21 @@ def _backward_host(
     need_dweight: bool,
     need_dbias: bool,
     need_dresidual: bool,
+    x_dtype: torch.dtype,
+    residual_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     impl = _kernel_backward if host.interpreting() else _reference_backward
-    args = (dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual)
+    args = (dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual, x_dtype,
+            residual_dtype)
     return _backward_outputs(h, *impl(*args))
 
 
 @_backward_host.register_fake
-def _(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual):
+def _(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual, x_dtype,
+      residual_dtype):
     return (
-        host.empty_like(h),
-        host.empty_like(h) if need_dresidual else host.none(h),
+        h.new_empty(h.shape, dtype=x_dtype),
+        h.new_empty(h.shape, dtype=residual_dtype) if need_dresidual else host.none(h),
         torch.empty_like(weight) if need_dweight else host.none(h),
         torch.empty_like(bias) if need_dbias else host.none(h),
     )
@@ -277,18 +294,27 @@ def layer_norm_dropout_residual_backward(
     need_dweight: bool,
     need_dbias: bool,
     need_dresidual: bool,
+    x_dtype: torch.dtype,
+    residual_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     need_dweight = need_dweight and weight is not None
     need_dbias = need_dbias and bias is not None
-    need_dresidual = need_dresidual and p > 0
-    args = (dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual)
+    need_dresidual = need_dresidual and _gradients_apart(p, x_dtype, residual_dtype)
+    args = (dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual, x_dtype,
+            residual_dtype)
     if dy.device.type != "cuda":
         return _backward_host(*args)
     return _backward_outputs(h, *_kernel_backward(*args))
 
 
+def _gradients_apart(p: float, x_dtype: torch.dtype, residual_dtype: torch.dtype) -> bool:
+    """Whether the gradients of x and of the residual are two tensors: dropout scales x's, and
+    operands of two dtypes each get theirs in their own."""
+    return p > 0 or x_dtype != residual_dtype
+
+
 def _setup(ctx, inputs, output):
-    _, residual, weight, bias, seed, _, p, store_h = inputs
+    x, residual, weight, bias, seed, _, p, store_h = inputs
     _, h, mean, rstd = output
     if not store_h:
         # the pattern stores h whenever the LayerNorm's output requires grad
@@ -296,6 +322,8 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(h, mean, rstd, weight, bias, seed)
     ctx.p = p
     ctx.has_residual = residual is not None
+    ctx.x_dtype = x.dtype
+    ctx.residual_dtype = x.dtype if residual is None else residual.dtype
     # Outputs nobody differentiates (h where the residual stream ends, mean, rstd) arrive as None
     # instead of zero tensors: the kernel then skips that term.
     ctx.set_materialize_grads(False)
@@ -310,13 +338,15 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
         dy = torch.zeros_like(h)
     need_dweight = weight is not None and needs[2]
     need_dbias = bias is not None and needs[3]
-    need_dresidual = ctx.has_residual and needs[1] and ctx.p > 0
+    apart = _gradients_apart(ctx.p, ctx.x_dtype, ctx.residual_dtype)
+    need_dresidual = ctx.has_residual and needs[1] and apart
     dx, dresidual, dweight, dbias = torch.ops.fusionpass.layer_norm_dropout_residual_backward(
-        dy, dh, h, mean, rstd, weight, bias, seed, ctx.p, need_dweight, need_dbias, need_dresidual
+        dy, dh, h, mean, rstd, weight, bias, seed, ctx.p, need_dweight, need_dbias, need_dresidual,
+        ctx.x_dtype, ctx.residual_dtype,
     )
     if ctx.has_residual and needs[1]:
-        # without dropout the two gradients are one tensor (the add's backward)
-        dres = dresidual if ctx.p > 0 else dx
+        # without dropout, in one dtype, the two gradients are one tensor (the add's backward)
+        dres = dresidual if apart else dx
     else:
         dres = None
     return (

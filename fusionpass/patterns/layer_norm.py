@@ -238,12 +238,20 @@ device_supported = g.device_supported(lambda b: b["h"])
 
 
 def dtypes_agree(m: Match, cfg) -> str | None:
+    """x and the residual in one dtype, or one of them fp32 and the other 16-bit: the sum is then
+    fp32, as under autocast, where the residual stream stays fp32 while each block's output is bf16
+    and the LayerNorm computes in fp32. The kernel adds them in that promotion."""
     b = m.bindings
     dtype = g.dtype(b["x"])
     if dtype not in g.FLOAT_DTYPES:
         return f"input dtype {dtype} is not float32/float16/bfloat16"
-    if b["residual"] is not None and g.dtype(b["residual"]) != dtype:
-        return f"mixed dtypes: residual {g.dtype(b['residual'])}, input {dtype}"
+    h_dtype = dtype
+    if b["residual"] is not None and (r_dtype := g.dtype(b["residual"])) != dtype:
+        if r_dtype not in g.FLOAT_DTYPES or torch.float32 not in (dtype, r_dtype):
+            return f"mixed dtypes: residual {r_dtype}, input {dtype} (the kernel adds one dtype, or 16-bit to fp32)"
+        h_dtype = torch.float32
+    if g.dtype(m.anchor) != h_dtype:
+        return f"LayerNorm output dtype {g.dtype(m.anchor)} differs from its input's {h_dtype}"
     for name in ("weight", "bias"):
         p = b[name]
         if p is None:
@@ -251,8 +259,8 @@ def dtypes_agree(m: Match, cfg) -> str | None:
         pt = g.tensor(p)
         if pt is None:
             return f"{name} is not a tensor"
-        if pt.dtype not in (dtype, torch.float32):
-            return f"mixed dtypes: {name} {pt.dtype}, input {dtype} (the kernel takes {dtype} or float32)"
+        if pt.dtype not in (h_dtype, torch.float32):
+            return f"mixed dtypes: {name} {pt.dtype}, input {h_dtype} (the kernel takes {h_dtype} or float32)"
     return None
 
 
@@ -402,8 +410,8 @@ LAYER_NORM_DROPOUT_RESIDUAL = registry.register(
             "(inference, p = 0) and of dropout(x); with or without weight and bias"
         ),
         selected_when=(
-            "CUDA tensors, float32/float16/bfloat16 (weight and bias in the input dtype or "
-            "float32), LayerNorm over the last dimension only, constant dropout p in [0, 1), "
+            "CUDA tensors, float32/float16/bfloat16 (x and residual in one dtype, or one fp32 and "
+            "the other 16-bit as under autocast; weight and bias in the sum's dtype or float32), LayerNorm over the last dimension only, constant dropout p in [0, 1), "
             "not a parallel-residual (three-term) sum; training: an active dropout or a gradient"
         ),
         anchor=is_candidate,

@@ -73,6 +73,45 @@ def test_reference_matches_kernel(monkeypatch, dtype, p, residual):
 
 
 @pytest.mark.parametrize("interpret", [True, False], ids=["kernel", "reference"])
+@pytest.mark.parametrize("x_dtype, r_dtype", [(BF16, F32), (F32, BF16)], ids=["bf16-x", "bf16-residual"])
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_a_16_bit_operand_and_an_fp32_one_sum_in_fp32(monkeypatch, interpret, x_dtype, r_dtype, p):
+    """Autocast's residual stream: x (a block's output) in bf16 and the residual in fp32, or the
+    other way round. h and y come out fp32, and each input's gradient in its own dtype, as autograd
+    of `dropout(x) + residual` then an fp32 LayerNorm gives them (float64 reference, the dropped x
+    rounded to its dtype first as the model rounds it)."""
+    x, _, w, b = _inputs(x_dtype)
+    r = torch.randn(x.shape).to(r_dtype)
+    seed = torch.tensor([42]) if p else None
+    got = _run(monkeypatch, interpret, x, r, w.float(), b.float(), seed, p)
+    assert got["y"].dtype == got["h"].dtype == F32
+    assert got["dx"].dtype == x_dtype and got["dr"].dtype == r_dtype and got["dw"].dtype == F32
+    keep = dropout_mask(x.shape, p, seed) if p else torch.ones(x.shape, dtype=torch.bool)
+    leaves = [t.double().requires_grad_() for t in (x, r, w.float(), b.float())]
+    xd, rd, wd, bd = leaves
+    dropped = torch.where(keep, (xd / (1 - p)).to(x_dtype).double(), 0) if p else xd
+    h = dropped + rd
+    y = torch.nn.functional.layer_norm(h, (x.shape[-1],), wd, bd, EPS)
+    gen = torch.Generator().manual_seed(7)
+    grads = [torch.randn(t.shape, generator=gen).float().double() for t in (y, h)]
+    torch.autograd.backward([y, h], grads)
+    torch.testing.assert_close(got["h"].double(), h.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["y"].double(), y.detach(), rtol=1e-4, atol=1e-4)
+    for name, leaf in zip(("dx", "dr", "dw", "db"), leaves):
+        # each gradient rounded to its tensor's dtype once: bf16's half ulp of the largest value
+        tol = 1e-4 if got[name].dtype == F32 else 2 ** -8 * leaf.grad.abs().max().item()
+        torch.testing.assert_close(got[name].double(), leaf.grad, rtol=0, atol=tol, msg=name)
+
+
+def test_two_16_bit_dtypes_are_refused():
+    x, r, w, b = _inputs(BF16)
+    with pytest.raises(ValueError, match="one must be float32 or both equal"):
+        from fusionpass.kernels.layer_norm import layer_norm_fwd
+
+        layer_norm_fwd(x, r.half(), w, b, EPS)
+
+
+@pytest.mark.parametrize("interpret", [True, False], ids=["kernel", "reference"])
 def test_backward_regenerates_the_mask(monkeypatch, interpret):
     """Gradients against float64 autograd of the model's formula with the seed's mask."""
     p = 0.25
@@ -124,7 +163,14 @@ def test_opcheck():
     backward = torch.ops.fusionpass.layer_norm_dropout_residual_backward
     dy = torch.randn_like(y)
     for args in [
-        (dy, torch.randn_like(h), h, mean, rstd, w, b, seed, 0.5, True, True, True),
-        (dy, None, h, mean, rstd, None, None, None, 0.0, False, False, False),
+        (dy, torch.randn_like(h), h, mean, rstd, w, b, seed, 0.5, True, True, True, F32, F32),
+        (dy, None, h, mean, rstd, None, None, None, 0.0, False, False, False, F32, F32),
     ]:
         torch.library.opcheck(backward, args)
+    # autocast's residual stream: a bf16 x, an fp32 residual, fp32 sum and parameters
+    xb = x.to(BF16).requires_grad_()
+    torch.library.opcheck(OP, (xb, r.detach().requires_grad_(), w.detach().requires_grad_(), None, None, EPS,
+                               0.0, True))
+    y, h, mean, rstd = (t.detach() for t in OP(xb, r, w, None, None, EPS, 0.0, True))
+    torch.library.opcheck(backward, (torch.randn_like(y), None, h, mean, rstd, w.detach(), None, None, 0.0, True,
+                                     False, True, BF16, F32))

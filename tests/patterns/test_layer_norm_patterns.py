@@ -446,8 +446,8 @@ class TwoDimNorm(nn.Module):
         return self.ln(F.dropout(x, P, self.training) + r)
 
 
-def _mixed_residual():
-    return DropAddNorm(P), (inputs(BF16), inputs(FP32))
+def _two_16_bit_dtypes():
+    return DropAddNorm(P), (inputs(FP16), inputs(BF16))
 
 
 def _strided():
@@ -458,8 +458,8 @@ NEAR_MISSES = [
     # (id, model and inputs, train, reason contains)
     ("ln-over-two-dims", lambda: (TwoDimNorm(), (inputs(), inputs())), True,
      "normalized_shape: LayerNorm over more than the last dimension"),
-    ("mixed-dtype-residual", _mixed_residual, True,
-     "dtype: mixed dtypes: residual torch.float32, input torch.bfloat16"),
+    ("two-16-bit-dtypes", _two_16_bit_dtypes, True,
+     "dtype: mixed dtypes: residual torch.bfloat16, input torch.float16"),
     ("width-32", lambda: (DropAddNorm(P, 32), (inputs(width=32), inputs(width=32))), True,
      "width: row width 32 outside 64..8192"),
     ("last-dim-strided", lambda: (DropAddNorm(P), (_strided(), _strided())), True,
@@ -480,6 +480,33 @@ def test_near_miss(build, train, reason):
     fusion, where, why = misses[0]
     assert fusion == FUSION and where
     assert reason in why, why
+
+
+def test_autocast_over_fp32_weights_matches():
+    """The HF Trainer's bf16=True: fp32 weights under autocast. Each block's output (a Linear) is
+    bf16 and the residual stream fp32; the sum is fp32 and the LayerNorm computes in fp32. The
+    pre-LN blocks fuse as in a bf16 model, and compute what eager computes under autocast."""
+    model = _init(GPT2(0.0)).train()
+    x = inputs(FP32)
+
+    def under_autocast(module, *args, **kw):
+        with torch.autocast("cpu", dtype=BF16):
+            return module(*args, **kw)
+
+    class Autocast(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return under_autocast(self.inner, x)
+
+    wrapped = Autocast(model)
+    got, stats = compile_ln(wrapped, x, train=True)
+    assert stats == counts(residual=2), near_misses()
+    assert near_misses() == []
+    assert got.outputs[0].dtype == FP32
+    assert_outcomes_close(got, eager(wrapped, x, train=True), BF16)
 
 
 def test_fp32_weight_with_bf16_input_is_fused():
