@@ -89,14 +89,11 @@ FAMILIES: dict[str, Family] = {
                      gaps="Cohere's LayerNorm (mean-subtracted, no bias) is not an RMSNorm form; the loss "
                           "scales logits by logit_scale; in bf16 its rope computes cos/sin in bf16 for fp32 "
                           "q (a dtype near miss)"),
-    "starcoder2": Family("Starcoder2Config", ATTENTION_LAYER, {"linear_cross_entropy": 1},
-                         dict(residual_dropout=0.0, embedding_dropout=0.0),
-                         mode_counts={"bf16": {"layer_norm_dropout_residual": 2 * LAYERS}},
-                         gaps="under the Trainer's autocast, layer_norm_dropout_residual: residual fp32 and "
-                              "input bf16 (the kernel takes one dtype)"),
-    "stablelm": Family("StableLmConfig", {**ATTENTION_LAYER, "swiglu_mlp": 1}, {"linear_cross_entropy": 1},
-                       mode_counts={"bf16": {"layer_norm_dropout_residual": 2 * LAYERS}},
-                       gaps="under the Trainer's autocast, layer_norm_dropout_residual: mixed dtypes"),
+    # (the first layer's input LayerNorm reads the embeddings: nothing to add, not this fusion's)
+    "starcoder2": Family("Starcoder2Config", {**ATTENTION_LAYER, "layer_norm_dropout_residual": 2},
+                         {"linear_cross_entropy": 1}, dict(residual_dropout=0.0, embedding_dropout=0.0)),
+    "stablelm": Family("StableLmConfig", {**ATTENTION_LAYER, "swiglu_mlp": 1, "layer_norm_dropout_residual": 2},
+                       {"linear_cross_entropy": 1}),
     "gpt_neox": Family("GPTNeoXConfig", ATTENTION_LAYER, {"linear_cross_entropy": 1},
                        dict(rotary_pct=0.25, hidden_dropout=0.0), modes=("trainer-amp",),
                        gaps="parallel residual LayerNorms (near miss by design); bf16 is not run on the CPU: "
@@ -105,12 +102,11 @@ FAMILIES: dict[str, Family] = {
                   dict(resid_pdrop=0.0, embd_pdrop=0.0, partial_rotary_factor=0.5), modes=("trainer-amp",),
                   gaps="the parallel block's LayerNorm under autocast: mixed dtypes; bf16 is not run on the "
                        "CPU: plain Inductor's C++ code for its bf16 graph does not compile (torch 2.13 CPU)"),
-    "gpt2": Family("GPT2Config", {"flash_attention": 1, "attention_out_proj": 1},
+    "gpt2": Family("GPT2Config", {"flash_attention": 1, "attention_out_proj": 1, "layer_norm_dropout_residual": 2},
                    overrides=dict(n_embd=256, n_layer=LAYERS, n_head=4, n_positions=128, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0),
-                   mode_counts={"bf16": {"layer_norm_dropout_residual": 2 * LAYERS}},
                    gaps="linear_cross_entropy: GPT-2's loss reads logits from another graph unless "
-                        "model.loss_type = 'ForCausalLM'; under autocast its LayerNorms see mixed dtypes"),
+                        "model.loss_type = 'ForCausalLM'"),
     # The eager expert loop (the float64 reference has no grouped_mm) breaks the graph: the layers
     # after a break get the causal mask as a graph input, which sdpa_mask cannot prove ("the mask
     # is an input of this graph, built in another graph"), so their attention stays unfused.
