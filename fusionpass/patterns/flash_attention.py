@@ -277,7 +277,40 @@ def kernel_constants(m: Match, cfg) -> str | None:
     return None
 
 
+# cuDNN's padding mask takes these head dims on sm_90 (the probe checks each:
+# benchmarks/probes/collator_attention_routes.py)
+_CUDNN_HEAD_DIMS = (64, 128, 256)
+
+
+def cudnn_padding_route(m: Match, cfg) -> bool:
+    """Whether fusionpass::padded_attention serves the match instead of our kernel alone: a causal
+    (top-left) or all-true mask with run-time key padding over square scores, nothing else on it
+    (no dropout, window, bias, segments, MLA), fp16/bf16, a head dim cuDNN takes, and cudnn-frontend
+    there when the graph is on CUDA. Opt-in (attention_cudnn_padding) until it is measured."""
+    b = m.bindings
+    args = b["args"]
+    if not cfg.attention_cudnn_padding or b.get("key_padding") is None or b["kind"] not in ("causal", "none"):
+        return False
+    if b["window"] or b["shift"] != 0 or b.get("eager") is not None or b.get("empty_rows"):
+        return False
+    if b.get("segments") is not None or b.get("key_bias") is not None or float(args["dropout_p"]) > 0:
+        return False
+    q, k, v = g.tensor(args["query"]), g.tensor(b["key"]), g.tensor(b["value"])
+    if q.dtype not in (torch.float16, torch.bfloat16) or not statically_known_true(q.shape[-2] == k.shape[-2]):
+        return False
+    if g.static_int(q.shape[-1]) not in _CUDNN_HEAD_DIMS or g.static_int(v.shape[-1]) != g.static_int(q.shape[-1]):
+        return False
+    if q.device.type == "cuda":
+        from fusionpass.kernels import cudnn_attention
+
+        return cudnn_attention.available()
+    return True
+
+
 def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
+    if cudnn_padding_route(m, cfg):
+        _replace_with_padded_attention(graph, m)
+        return
     b = m.bindings
     node, args = m.anchor, b["args"]
     q = args["query"]
@@ -326,6 +359,23 @@ def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
     g.erase_unused(graph, sdpa.repeat_kv_nodes(args))
 
 
+
+
+def _replace_with_padded_attention(graph: fx.Graph, m: Match) -> None:
+    b = m.bindings
+    node, args = m.anchor, b["args"]
+    q = args["query"]
+    d = g.static_int(g.tensor(q).shape[-1])
+    scale = float(args["scale"]) if args["scale"] is not None else d**-0.5
+    key_padding = ak.key_padding_node(graph, node, b["key_padding"])
+    call = g.insert_call(graph, node, torch.ops.fusionpass.padded_attention.default,
+                         (q, b["key"], b["value"], key_padding), node,
+                         kwargs=dict(scale=scale, causal=b["kind"] != "none"))
+    out, _ = g.insert_getitems(graph, call, 2)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    g.erase_unused(graph, [n for n in b["mask_nodes"] if n.op != "placeholder"])
+    g.erase_unused(graph, sdpa.repeat_kv_nodes(args))
 
 
 def _only(search, variant: str):
@@ -456,6 +506,11 @@ class Options:
     # SDPA spends (benchmarks/results/latest/attention_head_dims.md).
     mla: bool = option(False, "q/k and v of different head dims (MLA: 192 and 128) on the routes above, v "
                               "padded with zero columns to q's head dim for the kernel")
+    # Off until measured against our kernel and cuDNN's causal one (benchmarks/probes/
+    # collator_attention_routes.py): needs the `cudnn` extra (nvidia-cudnn-frontend).
+    cudnn_padding: bool = option(False, "causal or all-true masks with run-time key padding over square scores "
+                                        "-> fusionpass::padded_attention: cuDNN's padding mask for rows whose "
+                                        "keys are a prefix, our kernel for the others")
 
 
 FLASH_ATTENTION = registry.register(

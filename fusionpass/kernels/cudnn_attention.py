@@ -1,0 +1,166 @@
+"""cuDNN's fused attention over the padded [B, H, S, D] batch with per-row key lengths on the device
+(its padding mask: `seq_len_kv`), forward and backward, through cudnn-frontend's Python graph API
+(the optional nvidia-cudnn-frontend wheel, the `cudnn` extra; torch's own cuDNN entry takes only
+cumulative lengths, whose offsets are those of a packed batch). fusionpass::padded_attention
+(fusionpass.ops.padded_attention) calls it for the mask every HF collator passes: right padding
+and all ones are a prefix of keys per row.
+
+Graphs are built once per shape, dtype, strides and flags, and bound to torch's current stream at
+each call. Rows of length 0 are not given to cuDNN (before cuDNN 9.25 it returns NaN for them, as
+cudnn-frontend's own tests record): the caller passes a length of at least 1 and handles such rows
+itself.
+
+    padded_fwd(q, k, v, seq_len_kv, scale=, causal=) -> (out, lse [B, Hq, S] fp32, natural log)
+    padded_bwd(do, q, k, v, out, lse, seq_len_kv, scale=, causal=) -> (dq, dk, dv)
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_GRAPHS: dict = {}
+_LOCK = threading.Lock()
+_HANDLES: dict = {}
+
+
+def _cudnn():
+    import cudnn
+
+    return cudnn
+
+
+def available() -> bool:
+    """Whether cudnn-frontend imports and a CUDA device is there (the route is chosen at compile
+    time; without it flash_attention keeps our kernel and `explain` says what would be faster)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _cudnn()
+    except Exception:  # not installed, or built against another cuDNN
+        return False
+    return True
+
+
+def _handle(device: torch.device):
+    cudnn = _cudnn()
+    if device not in _HANDLES:
+        with torch.cuda.device(device):
+            _HANDLES[device] = cudnn.create_handle()
+    cudnn.set_stream(handle=_HANDLES[device], stream=torch.cuda.current_stream(device).cuda_stream)
+    return _HANDLES[device]
+
+
+def _io_type(dtype: torch.dtype):
+    cudnn = _cudnn()
+    return {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}[dtype]
+
+
+def _graph(key, build):
+    with _LOCK:
+        if key not in _GRAPHS:
+            _GRAPHS[key] = build()
+        return _GRAPHS[key]
+
+
+def _lengths(g, B):
+    cudnn = _cudnn()
+    return [g.tensor(name=name, dim=[B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+            for name in ("seq_len_q", "seq_len_kv")]
+
+
+def _mask_options(causal: bool) -> dict:
+    cudnn = _cudnn()
+    # top-left causal (query i sees keys j <= i, SDPA's is_causal over square scores)
+    return dict(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, diagonal_band_right_bound=0 if causal else None)
+
+
+def _build_fwd(dtype, shapes, strides, scale, causal, device):
+    cudnn = _cudnn()
+    (B, Hq, S, D), (_, Hkv, _, _) = shapes
+    io = _io_type(dtype)
+    g = cudnn.pygraph(handle=_handle(device), io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT)
+    q = g.tensor(name="q", dim=[B, Hq, S, D], stride=list(strides[0]), data_type=io)
+    k = g.tensor(name="k", dim=[B, Hkv, S, D], stride=list(strides[1]), data_type=io)
+    v = g.tensor(name="v", dim=[B, Hkv, S, D], stride=list(strides[2]), data_type=io)
+    seq_q, seq_kv = _lengths(g, B)
+    o, stats = g.sdpa(name="fwd", q=q, k=k, v=v, generate_stats=True, attn_scale=scale, use_padding_mask=True,
+                      seq_len_q=seq_q, seq_len_kv=seq_kv, **_mask_options(causal))
+    o.set_output(True).set_dim([B, Hq, S, D]).set_stride([Hq * S * D, S * D, D, 1]).set_data_type(io)
+    stats.set_output(True).set_dim([B, Hq, S, 1]).set_stride([Hq * S, S, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    return g, (q, k, v, o, stats, seq_q, seq_kv), g.get_workspace_size()
+
+
+def _build_bwd(dtype, shapes, strides, scale, causal, device):
+    cudnn = _cudnn()
+    (B, Hq, S, D), (_, Hkv, _, _) = shapes
+    io = _io_type(dtype)
+    g = cudnn.pygraph(handle=_handle(device), io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT)
+    dense = [Hq * S * D, S * D, D, 1]
+    q = g.tensor(name="q", dim=[B, Hq, S, D], stride=list(strides[0]), data_type=io)
+    k = g.tensor(name="k", dim=[B, Hkv, S, D], stride=list(strides[1]), data_type=io)
+    v = g.tensor(name="v", dim=[B, Hkv, S, D], stride=list(strides[2]), data_type=io)
+    o = g.tensor(name="o", dim=[B, Hq, S, D], stride=dense, data_type=io)
+    do = g.tensor(name="dO", dim=[B, Hq, S, D], stride=dense, data_type=io)
+    stats = g.tensor(name="stats", dim=[B, Hq, S, 1], stride=[Hq * S, S, 1, 1], data_type=cudnn.data_type.FLOAT)
+    seq_q, seq_kv = _lengths(g, B)
+    dq, dk, dv = g.sdpa_backward(name="bwd", q=q, k=k, v=v, o=o, dO=do, stats=stats, attn_scale=scale,
+                                 use_padding_mask=True, seq_len_q=seq_q, seq_len_kv=seq_kv,
+                                 use_deterministic_algorithm=torch.are_deterministic_algorithms_enabled(),
+                                 **_mask_options(causal))
+    kv_dense = [Hkv * S * D, S * D, D, 1]
+    dq.set_output(True).set_dim([B, Hq, S, D]).set_stride(dense).set_data_type(io)
+    dk.set_output(True).set_dim([B, Hkv, S, D]).set_stride(kv_dense).set_data_type(io)
+    dv.set_output(True).set_dim([B, Hkv, S, D]).set_stride(kv_dense).set_data_type(io)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    return g, (q, k, v, o, do, stats, seq_q, seq_kv, dq, dk, dv), g.get_workspace_size()
+
+
+def _key(direction, q, k, v, scale, causal):
+    return (direction, q.dtype, tuple(q.shape), tuple(k.shape), q.stride(), k.stride(), v.stride(), float(scale),
+            bool(causal), q.device)
+
+
+def padded_fwd(q, k, v, seq_len_kv, *, scale: float, causal: bool):
+    B, Hq, S, D = q.shape
+    g, t, ws = _graph(_key("fwd", q, k, v, scale, causal),
+                      lambda: _build_fwd(q.dtype, (q.shape, k.shape), (q.stride(), k.stride(), v.stride()), scale,
+                                         causal, q.device))
+    out = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, S, 1), dtype=torch.float32, device=q.device)
+    seq_q = torch.full((B, 1, 1, 1), S, dtype=torch.int32, device=q.device)
+    seq_kv = seq_len_kv.to(torch.int32).reshape(B, 1, 1, 1).contiguous()
+    workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=q.device)
+    tq, tk, tv, to, tstats, tseq_q, tseq_kv = t
+    g.execute({tq: q, tk: k, tv: v, to: out, tstats: lse, tseq_q: seq_q, tseq_kv: seq_kv}, workspace,
+              handle=_handle(q.device))
+    return out, lse.view(B, Hq, S)
+
+
+def padded_bwd(do, q, k, v, out, lse, seq_len_kv, *, scale: float, causal: bool):
+    B, Hq, S, D = q.shape
+    g, t, ws = _graph(_key("bwd", q, k, v, scale, causal),
+                      lambda: _build_bwd(q.dtype, (q.shape, k.shape), (q.stride(), k.stride(), v.stride()), scale,
+                                         causal, q.device))
+    dq = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    seq_q = torch.full((B, 1, 1, 1), S, dtype=torch.int32, device=q.device)
+    seq_kv = seq_len_kv.to(torch.int32).reshape(B, 1, 1, 1).contiguous()
+    workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=q.device)
+    tq, tk, tv, to, tdo, tstats, tseq_q, tseq_kv, tdq, tdk, tdv = t
+    g.execute({tq: q, tk: k, tv: v, to: out.contiguous(), tdo: do.contiguous(),
+               tstats: lse.reshape(B, Hq, S, 1).contiguous(), tseq_q: seq_q, tseq_kv: seq_kv, tdq: dq, tdk: dk,
+               tdv: dv}, workspace, handle=_handle(q.device))
+    return dq, dk, dv

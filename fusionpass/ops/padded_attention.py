@@ -1,0 +1,167 @@
+"""fusionpass::padded_attention: attention over square scores (causal or bidirectional) with an HF
+collator's key padding, served by cuDNN's padding mask where a row's mask is a prefix of keys, and
+by our kernel where it is not, picked per row on the device.
+
+    out, lse = padded_attention(q, k, v, key_padding, *, scale, causal=False)
+
+q [B, Hq, L, D], k/v [B, Hkv, L, D] fp16/bf16, key_padding [B, L] bool (True = keep). The result is
+that of fusionpass::flash_attention with the same key padding (rows that see no key: out 0, lse
+EMPTY_LSE). How:
+- per row b, on the device: n_b = key_padding[b].sum(), and whether key_padding[b] is exactly
+  n_b leading ones with n_b > 0 (right padding, all ones: a "prefix row");
+- cuDNN (fusionpass.kernels.cudnn_attention) computes every row with key lengths n_b for prefix
+  rows and L for the others (whose result is not used; no row of length 0 reaches cuDNN, which
+  returns NaN there before 9.25);
+- our kernel computes the other rows (left padding, holes, empty rows) with the key padding, and
+  for prefix rows reads no key at all (its kv_lengths 0 there);
+- each row's out and lse, and in the backward each batch's dq, dk and dv, are taken from the one
+  that computed it.
+No host sync, no shape that depends on data. The backward runs both the same way, each with the
+out and lse of the forward.
+
+On CPU (the tests) cuDNN's part is a torch reference with the same key lengths, so the per-row
+choice is tested there; cuDNN itself only runs on CUDA (the conformance suite).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fusionpass.ops import host
+
+
+def prefix_rows(key_padding: Tensor) -> tuple[Tensor, Tensor]:
+    """(n [B] int32, prefix [B] bool): each row's kept keys, and whether they are its first n_b keys
+    with n_b > 0."""
+    n = key_padding.sum(-1, dtype=torch.int32)
+    positions = torch.arange(key_padding.shape[-1], device=key_padding.device)
+    prefix = (key_padding == (positions[None, :] < n[:, None])).all(-1) & (n > 0)
+    return n, prefix
+
+
+def _lengths(key_padding: Tensor):
+    """(cuDNN's key lengths, our kernel's kv_lengths, prefix): cuDNN takes L for the rows it does
+    not serve, our kernel 0 for the rows it does not serve."""
+    n, prefix = prefix_rows(key_padding)
+    L = key_padding.shape[-1]
+    full = torch.full_like(n, L)
+    return torch.where(prefix, n, full), torch.where(prefix, torch.zeros_like(n), full), prefix
+
+
+# ---------------------------------------------------------------------------------------------
+# cuDNN's part: the library on CUDA, a torch reference on CPU
+
+
+def _library_forward(q, k, v, seq_kv, scale, causal):
+    if q.device.type == "cuda":
+        from fusionpass.kernels.cudnn_attention import padded_fwd
+
+        return padded_fwd(q, k, v, seq_kv, scale=scale, causal=causal)
+    from fusionpass.ops.flash_attention import _reference
+
+    return _reference(q, k, v, _prefix_mask(seq_kv, k.shape[2]), None, scale, causal, 0, False, 0, 0.0, None)
+
+
+def _library_backward(do, q, k, v, out, lse, seq_kv, scale, causal):
+    if q.device.type == "cuda":
+        from fusionpass.kernels.cudnn_attention import padded_bwd
+
+        return padded_bwd(do, q, k, v, out, lse, seq_kv, scale=scale, causal=causal)
+    from fusionpass.ops.flash_attention import _reference_backward
+
+    return _reference_backward(do, q, k, v, out, lse, _prefix_mask(seq_kv, k.shape[2]), None, scale, causal, 0,
+                               False, 0, 0.0, None)
+
+
+def _prefix_mask(lengths: Tensor, L: int) -> Tensor:
+    return torch.arange(L, device=lengths.device)[None, :] < lengths[:, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# our kernel's part (under the interpreter on CPU, as fusionpass::flash_attention's host ops)
+
+
+def _ours_on_torch(q) -> bool:
+    """CPU without the Triton interpreter: flash_attention's torch reference stands in for our kernel,
+    with the rows it does not serve as rows that see no key."""
+    return q.device.type != "cuda" and not host.interpreting()
+
+
+def _kernel_forward(q, k, v, key_padding, kv_lengths, scale, causal):
+    if _ours_on_torch(q):
+        from fusionpass.ops.flash_attention import _reference
+
+        mask = key_padding & _prefix_mask(kv_lengths, k.shape[2])
+        return _reference(q, k, v, mask, None, scale, causal, 0, False, 0, 0.0, None)
+    from fusionpass.kernels.attention import attention_fwd
+
+    return attention_fwd(q, k, v, causal=causal, scale=scale, key_padding=key_padding, kv_lengths=kv_lengths)
+
+
+def _kernel_backward(do, q, k, v, out, lse, key_padding, kv_lengths, scale, causal):
+    if _ours_on_torch(q):
+        from fusionpass.ops.flash_attention import _reference_backward
+
+        mask = key_padding & _prefix_mask(kv_lengths, k.shape[2])
+        return _reference_backward(do, q, k, v, out, lse, mask, None, scale, causal, 0, False, 0, 0.0, None)
+    from fusionpass.kernels.attention import attention_bwd
+
+    return attention_bwd(do, q, k, v, out, lse, causal=causal, scale=scale, key_padding=key_padding,
+                         kv_lengths=kv_lengths)
+
+
+def _by_row(prefix: Tensor, library: Tensor, ours: Tensor) -> Tensor:
+    return torch.where(prefix.view(-1, *([1] * (library.dim() - 1))), library, ours)
+
+
+@torch.library.custom_op("fusionpass::padded_attention", mutates_args=())
+def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor, *, scale: float,
+                     causal: bool = False) -> tuple[Tensor, Tensor]:
+    if q.dtype not in (torch.float16, torch.bfloat16) or key_padding.dtype != torch.bool:
+        raise ValueError("padded_attention takes fp16/bf16 q, k, v and a bool key_padding")
+    if q.shape[2] != k.shape[2] or key_padding.shape != (q.shape[0], k.shape[2]):
+        raise ValueError("padded_attention takes square scores and a [B, L] key_padding")
+    seq_kv, kv_lengths, prefix = _lengths(key_padding)
+    out_l, lse_l = _library_forward(q, k, v, seq_kv, scale, causal)
+    out_k, lse_k = _kernel_forward(q, k, v, key_padding, kv_lengths, scale, causal)
+    return _by_row(prefix, out_l, out_k).contiguous(), _by_row(prefix, lse_l, lse_k).contiguous()
+
+
+@padded_attention.register_fake
+def _(q, k, v, key_padding, *, scale, causal=False):
+    return host.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("fusionpass::padded_attention_backward", mutates_args=())
+def padded_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              key_padding: Tensor, *, scale: float,
+                              causal: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    seq_kv, kv_lengths, prefix = _lengths(key_padding)
+    grads_l = _library_backward(do, q, k, v, out, lse, seq_kv, scale, causal)
+    grads_k = _kernel_backward(do, q, k, v, out, lse, key_padding, kv_lengths, scale, causal)
+    return tuple(_by_row(prefix, a, b).contiguous() for a, b in zip(grads_l, grads_k))
+
+
+@padded_attention_backward.register_fake
+def _(do, q, k, v, out, lse, key_padding, *, scale, causal=False):
+    return host.empty_like(q), host.empty_like(k), host.empty_like(v)
+
+
+def _setup(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, key_padding = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_padding)
+    ctx.scale, ctx.causal = keyword_only_inputs["scale"], keyword_only_inputs.get("causal", False)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, _dlse):
+    if dout is None:
+        return None, None, None, None
+    q, k, v, out, lse, key_padding = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fusionpass.padded_attention_backward(dout, q, k, v, out, lse, key_padding,
+                                                                scale=ctx.scale, causal=ctx.causal)
+    return dq, dk, dv, None
+
+
+padded_attention.register_autograd(_backward, setup_context=_setup)

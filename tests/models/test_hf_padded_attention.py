@@ -1,0 +1,77 @@
+"""fusionpass::padded_attention, the cuDNN route for an HF collator's mask (attention_cudnn_padding,
+opt-in): on a tiny Llama and BERT in bf16 it replaces every layer's attention, and the step equals
+the kernel route's (fusionpass::flash_attention with the same key padding) for all-ones, right- and
+left-padded batches, forward and every gradient. On the CPU, cuDNN's part is a torch reference with
+the same key lengths: this proves the per-row choice between cuDNN and our kernel, the rewrite and
+the autograd, not cuDNN (the conformance suite runs that on the GPU)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from helpers import assert_outcomes_close, compile_and_count, near_misses  # noqa: E402
+from models.test_hf_attention import KERNEL_WIDTHS, LAYERS, build, inputs  # noqa: E402
+
+from fusionpass.ops import padded_attention as op  # noqa: E402
+
+ATTENTION = ["flash_attention"]
+VARIANTS = {"llama": "causal_kernel_padded", "bert": "none_kernel_padded"}
+
+
+def _count_calls(monkeypatch):
+    calls = []
+    real = op._library_forward
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(op, "_library_forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("mask", ["ones", "right", "left"])
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_route_equals_the_kernel_route(monkeypatch, family, mask):
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", raising=False)
+    config, widths = KERNEL_WIDTHS[family]
+    for key, value in widths.items():
+        monkeypatch.setitem(config, key, value)
+    model = build(family).to(torch.bfloat16).train()
+    args, kwargs = inputs(family, mask, True)
+    kernel, stats = compile_and_count(model, *args, fusions=ATTENTION, train=True, kwargs=kwargs)
+    assert stats == {("flash_attention", VARIANTS[family]): LAYERS}
+    calls = _count_calls(monkeypatch)
+    got, stats = compile_and_count(model, *args, fusions=ATTENTION, train=True, kwargs=kwargs,
+                                   attention_cudnn_padding=True)
+    assert near_misses() == []
+    assert stats == {("flash_attention", VARIANTS[family]): LAYERS}
+    assert len(calls) == LAYERS  # every layer's attention went through padded_attention
+    assert_outcomes_close(_without_zero_gradients(got), _without_zero_gradients(kernel), torch.bfloat16)
+
+
+def _without_zero_gradients(outcome):
+    """The key projection's bias adds q . b to every score of a query row, which the softmax
+    ignores: its gradient is 0 analytically, and what either path returns is rounding noise."""
+    grads = {name: g for name, g in outcome.grads.items() if not name.endswith("key.bias")}
+    return dataclasses.replace(outcome, grads=grads)
+
+
+def test_prefix_rows():
+    kp = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 1, 1, 1], [1, 0, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    n, prefix = op.prefix_rows(kp)
+    assert n.tolist() == [4, 2, 3, 2, 0]
+    assert prefix.tolist() == [True, True, False, False, False]
+    seq_kv, kv_lengths, _ = op._lengths(kp)
+    # cuDNN never sees a row of length 0; our kernel reads no key of a row cuDNN serves
+    assert seq_kv.tolist() == [4, 2, 4, 4, 4] and kv_lengths.tolist() == [0, 0, 4, 4, 4]
+
+
+def test_off_by_default():
+    from fusionpass import config as config_mod
+
+    assert config_mod.make().attention_cudnn_padding is False
