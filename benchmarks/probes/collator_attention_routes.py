@@ -154,6 +154,12 @@ def cudnn_frontend_padded_fixup(q, k, v, kp, causal):
     return torch.where(prefix[:, None, None, None], theirs, ours)
 
 
+def padded_attention_route(q, k, v, kp, causal):
+    """The route as built: fusionpass::padded_attention (cuDNN for prefix rows, our kernel for the
+    others, inside one op)."""
+    return torch.ops.fusionpass.padded_attention(q, k, v, kp, scale=q.shape[-1] ** -0.5, causal=causal)[0]
+
+
 def cudnn_frontend_padded_fwd(q, k, v, kp, causal):
     import cudnn.sdpa.fwd.torch_op  # noqa: F401  (registers torch.ops.cudnn.sdpa_fwd)
 
@@ -168,7 +174,7 @@ CALLS = {"cudnn causal, no mask": cudnn_causal, "cudnn ragged": cudnn_ragged,
          "cudnn ragged, aten's autograd": cudnn_ragged_aten_autograd, "cudnn + broadcast bias": cudnn_call,
          "fusionpass kernel": fusionpass_kernel}
 FORWARD_ONLY = {"cudnn-frontend padded fwd": cudnn_frontend_padded_fwd}
-FRONTEND_CALLS = {"cudnn-frontend padded": cudnn_frontend_padded,
+FRONTEND_CALLS = {"cudnn-frontend padded": cudnn_frontend_padded, "fusionpass padded_attention": padded_attention_route,
                   "cudnn-frontend padded + fixup": cudnn_frontend_padded_fixup, **FORWARD_ONLY}
 CHECK_ONLY = ("cudnn-frontend padded + fixup",)
 
