@@ -75,42 +75,47 @@ def _mask_options(causal: bool) -> dict:
     return dict(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, diagonal_band_right_bound=0 if causal else None)
 
 
-def _build_fwd(dtype, shapes, strides, scale, causal, device):
+def _new_graph(dtype, shapes, strides, device):
+    """A graph with q, k, v (the callers' strides) and the two length tensors declared."""
     cudnn = _cudnn()
     (B, Hq, S, D), (_, Hkv, _, _) = shapes
     io = _io_type(dtype)
     g = cudnn.pygraph(handle=_handle(device), io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                       compute_data_type=cudnn.data_type.FLOAT)
-    q = g.tensor(name="q", dim=[B, Hq, S, D], stride=list(strides[0]), data_type=io)
-    k = g.tensor(name="k", dim=[B, Hkv, S, D], stride=list(strides[1]), data_type=io)
-    v = g.tensor(name="v", dim=[B, Hkv, S, D], stride=list(strides[2]), data_type=io)
-    seq_q, seq_kv = _lengths(g, B)
-    o, stats = g.sdpa(name="fwd", q=q, k=k, v=v, generate_stats=True, attn_scale=scale, use_padding_mask=True,
-                      seq_len_q=seq_q, seq_len_kv=seq_kv, **_mask_options(causal))
-    o.set_output(True).set_dim([B, Hq, S, D]).set_stride([Hq * S * D, S * D, D, 1]).set_data_type(io)
-    stats.set_output(True).set_dim([B, Hq, S, 1]).set_stride([Hq * S, S, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+    qkv = [g.tensor(name=name, dim=[B, heads, S, D], stride=list(stride), data_type=io)
+           for name, heads, stride in (("q", Hq, strides[0]), ("k", Hkv, strides[1]), ("v", Hkv, strides[2]))]
+    return g, io, qkv, _lengths(g, B)
+
+
+def _plan(g):
+    cudnn = _cudnn()
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     g.check_support()
     g.build_plans()
+
+
+def _build_fwd(dtype, shapes, strides, scale, causal, device):
+    cudnn = _cudnn()
+    (B, Hq, S, D), _ = shapes
+    g, io, (q, k, v), (seq_q, seq_kv) = _new_graph(dtype, shapes, strides, device)
+    o, stats = g.sdpa(name="fwd", q=q, k=k, v=v, generate_stats=True, attn_scale=scale, use_padding_mask=True,
+                      seq_len_q=seq_q, seq_len_kv=seq_kv, **_mask_options(causal))
+    o.set_output(True).set_dim([B, Hq, S, D]).set_stride([Hq * S * D, S * D, D, 1]).set_data_type(io)
+    stats.set_output(True).set_dim([B, Hq, S, 1]).set_stride([Hq * S, S, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+    _plan(g)
     return g, (q, k, v, o, stats, seq_q, seq_kv), g.get_workspace_size()
 
 
 def _build_bwd(dtype, shapes, strides, scale, causal, device):
     cudnn = _cudnn()
     (B, Hq, S, D), (_, Hkv, _, _) = shapes
-    io = _io_type(dtype)
-    g = cudnn.pygraph(handle=_handle(device), io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                      compute_data_type=cudnn.data_type.FLOAT)
+    g, io, (q, k, v), (seq_q, seq_kv) = _new_graph(dtype, shapes, strides, device)
     dense = [Hq * S * D, S * D, D, 1]
-    q = g.tensor(name="q", dim=[B, Hq, S, D], stride=list(strides[0]), data_type=io)
-    k = g.tensor(name="k", dim=[B, Hkv, S, D], stride=list(strides[1]), data_type=io)
-    v = g.tensor(name="v", dim=[B, Hkv, S, D], stride=list(strides[2]), data_type=io)
     o = g.tensor(name="o", dim=[B, Hq, S, D], stride=dense, data_type=io)
     do = g.tensor(name="dO", dim=[B, Hq, S, D], stride=dense, data_type=io)
     stats = g.tensor(name="stats", dim=[B, Hq, S, 1], stride=[Hq * S, S, 1, 1], data_type=cudnn.data_type.FLOAT)
-    seq_q, seq_kv = _lengths(g, B)
     dq, dk, dv = g.sdpa_backward(name="bwd", q=q, k=k, v=v, o=o, dO=do, stats=stats, attn_scale=scale,
                                  use_padding_mask=True, seq_len_q=seq_q, seq_len_kv=seq_kv,
                                  use_deterministic_algorithm=torch.are_deterministic_algorithms_enabled(),
@@ -119,11 +124,7 @@ def _build_bwd(dtype, shapes, strides, scale, causal, device):
     dq.set_output(True).set_dim([B, Hq, S, D]).set_stride(dense).set_data_type(io)
     dk.set_output(True).set_dim([B, Hkv, S, D]).set_stride(kv_dense).set_data_type(io)
     dv.set_output(True).set_dim([B, Hkv, S, D]).set_stride(kv_dense).set_data_type(io)
-    g.validate()
-    g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    g.check_support()
-    g.build_plans()
+    _plan(g)
     return g, (q, k, v, o, do, stats, seq_q, seq_kv, dq, dk, dv), g.get_workspace_size()
 
 
