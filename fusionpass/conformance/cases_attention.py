@@ -494,6 +494,37 @@ def _always(**counts):
     return lambda train, shape, dtype: counts
 
 
+CUDNN_PADDING = {"attention_cudnn_padding": True}  # fusionpass::padded_attention (opt-in)
+
+
+def _cudnn_route(train: bool, shape: Shape, dtype) -> dict:
+    """Every layer's attention through fusionpass::padded_attention: rope matches, flash_attention
+    counts the match; the op is not one attention_out_proj or rope_attention edit."""
+    return {"rope": LAYERS} if dtype == FP32 else {"rope": LAYERS, "flash_attention": LAYERS}
+
+
+_cudnn_route.kernel_route = True
+
+
+def _cudnn_cases(rows) -> list[Case]:
+    """The cuDNN route's cases: on CUDA they fail without cudnn-frontend (the `cudnn` extra), so that
+    a run without it can never pass them through our kernel alone."""
+    cases = _cases("flash_attention", "causal_kernel_padded", "llama-sdpa-cudnn", Llama, _cudnn_route, rows,
+                   CUDNN_PADDING, impl="sdpa")
+
+    def needs_cudnn(make):
+        def checked(dtype, device):
+            from fusionpass.kernels import cudnn_attention
+
+            if torch.device(device).type == "cuda" and not cudnn_attention.available():
+                raise RuntimeError("cudnn-frontend is not installed: the cuDNN route's cases need the cudnn extra")
+            return make(dtype, device)
+
+        return checked
+
+    return [dataclasses.replace(c, make=needs_cudnn(c.make)) for c in cases]
+
+
 # shapes: GQA decoders (Llama, Mistral), then multi-head families; padded ones have B >= 2
 G77 = Shape(2, 16, 4, 77, 64)
 G513 = Shape(1, 8, 8, 513, 128)
@@ -501,6 +532,7 @@ G1000 = Shape(1, 12, 2, 1000, 96)
 GP77 = Shape(3, 16, 4, 77, 64)
 GP513 = Shape(2, 8, 8, 513, 128)
 GP1000 = Shape(2, 12, 2, 1000, 80)
+GPD256 = Shape(2, 4, 2, 301, 256)  # Gemma's head dim
 G1000_128 = Shape(1, 12, 2, 1000, 128)  # rope_attention: power-of-two head dims only
 G333_256 = Shape(2, 4, 2, 333, 256)
 M77 = Shape(2, 12, 12, 77, 64)
@@ -573,6 +605,13 @@ ATTENTION_CASES = [
         (FP16, GP1000, True, "right"), (FP32, GP77, True, "left"), (BF16, GP77, True, "left_empty"),
         (FP16, GP513, False, "left_empty"),
     ], impl="sdpa"),
+    # the cuDNN route (attention_cudnn_padding): each head dim it takes, all ones, right and left
+    # padding, a row with no token, training and inference
+    *_cudnn_cases([
+        (BF16, GP77, True, "ones"), (BF16, GP77, True, "right"), (FP16, GP77, True, "left"),
+        (BF16, GP77, False, "left_empty"), (BF16, GP513, True, "right"), (FP16, GP513, True, "left_empty"),
+        (BF16, GPD256, True, "right"), (BF16, GPD256, False, "ones"), (FP32, GP77, True, "right"),
+    ]),
     # sliding windows at the default config (attention_sliding_window), without attention_kernel:
     # windows of 1, 64 and 333 keys, with and without padding (left padding: rows that see no key)
     *_cases("flash_attention", "sliding_window_kernel", "mistral-sdpa-default-w1", Llama, _kernel("rope"), [
