@@ -459,6 +459,8 @@ class ModelCase:
     classes: int = 0
     # also time the model uncompiled
     eager: bool = False
+    # fusionpass settings beyond the defaults (an opt-in route measured beside the default one)
+    settings: dict = dataclasses.field(default_factory=dict)
 
     @property
     def mode(self) -> str:
@@ -474,6 +476,10 @@ def model_cases(smoke):
                     num_key_value_heads=4, head_dim=128, vocab_size=32000, max_position_embeddings=8192)
 
     causal_lm, mlm = "AutoModelForCausalLM", "AutoModelForMaskedLM"
+    # Llama-3.2-1B's widths (head dim 64, tied 128256 vocabulary), 8 of its 16 layers
+    llama_1b = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=4096,
+                    tie_word_embeddings=True)
     alibi = dict(hidden_size=1024)
     falcon = dict(alibi, num_hidden_layers=4, num_attention_heads=16, alibi=True, new_decoder_architecture=False,
                   multi_query=False, parallel_attn=False, bias=True)
@@ -503,6 +509,15 @@ def model_cases(smoke):
                   hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama(8)), True, *shape(1, 8192), packed=8),
         ModelCase("HF Llama 8L h2048 GQA 16/4, all-ones attention_mask",
                   hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama(8)), True, *shape(8, 1024), True),
+        # issue 40: the collator's masks on Llama-3.2-1B's shape (head dim 64), our kernel (the
+        # default) and the opt-in cuDNN padding route (fusionpass::padded_attention)
+        *(ModelCase(f"Llama-3.2-1B shape, {mask}{route}",
+                    hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama_1b), True, *shape(4, 2048),
+                    all_ones_mask=mask == "all-ones attention_mask",
+                    lengths=None if mask == "all-ones attention_mask" else ((4, 16) if smoke else (512, 2048)),  # uniform
+                    settings=settings)
+          for mask in ("all-ones attention_mask", "right padding")
+          for route, settings in (("", {}), (", cuDNN padding route", {"attention_cudnn_padding": True}))),
         ModelCase("GPT-2 small widths 6L, eager attention",
                   hf_model("GPT2Config", causal_lm, "eager", smoke, n_layer=6), True, *shape(16, 1024)),
         ModelCase("BERT-base MLM widths 6L, sdpa", hf_model("BertConfig", mlm, "sdpa", smoke, num_hidden_layers=6),
@@ -846,7 +861,7 @@ def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None) -> list
                 # transformers looks for packed sequences only without a cache (LlamaModel makes
                 # one when use_cache is on, and then masks the row as one sequence)
                 kwargs["use_cache"] = False
-            row = measure(run, i, case.name, model, (ids,), kwargs, case.train, every, {}, case.without,
+            row = measure(run, i, case.name, model, (ids,), kwargs, case.train, every, case.settings, case.without,
                           run.model_timing, case.eager)
             # every fusion is on; which ones matched is the model's business, not a failure
             row["matched"] = {f: n for f, n in row["matched"].items() if n}
