@@ -24,6 +24,8 @@ choice is tested there; cuDNN itself only runs on CUDA (the conformance suite).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -46,6 +48,28 @@ def _lengths(key_padding: Tensor):
     L = key_padding.shape[-1]
     full = torch.full_like(n, L)
     return torch.where(prefix, n, full), torch.where(prefix, torch.zeros_like(n), full), prefix
+
+
+# cuDNN's refusals, by (direction, shape, dtype): where it builds no plan (a head dim or a GQA
+# ratio its version does not take), every row goes to our kernel, with one warning per shape
+_REFUSED: set = set()
+
+
+def _refusal_key(direction, q, k):
+    return direction, tuple(q.shape), tuple(k.shape), q.dtype, q.device
+
+
+def _try_library(direction, call, q, k):
+    key = _refusal_key(direction, q, k)
+    if key in _REFUSED:
+        return None
+    try:
+        return call()
+    except Exception as e:  # cudnn-frontend raises its own error types when no plan fits
+        _REFUSED.add(key)
+        warnings.warn(f"fusionpass::padded_attention: cuDNN refused the {direction} of q {tuple(q.shape)}, "
+                      f"k {tuple(k.shape)} ({type(e).__name__}: {str(e)[:200]}); our kernel serves every row")
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,10 +112,11 @@ def _ours_on_torch(q) -> bool:
 
 
 def _kernel_forward(q, k, v, key_padding, kv_lengths, scale, causal):
+    """Our kernel on the rows kv_lengths leaves it (None: every row)."""
     if _ours_on_torch(q):
         from fusionpass.ops.flash_attention import _reference
 
-        mask = key_padding & _prefix_mask(kv_lengths, k.shape[2])
+        mask = key_padding if kv_lengths is None else key_padding & _prefix_mask(kv_lengths, k.shape[2])
         return _reference(q, k, v, mask, None, scale, causal, 0, False, 0, 0.0, None)
     from fusionpass.kernels.attention import attention_fwd
 
@@ -102,7 +127,7 @@ def _kernel_backward(do, q, k, v, out, lse, key_padding, kv_lengths, scale, caus
     if _ours_on_torch(q):
         from fusionpass.ops.flash_attention import _reference_backward
 
-        mask = key_padding & _prefix_mask(kv_lengths, k.shape[2])
+        mask = key_padding if kv_lengths is None else key_padding & _prefix_mask(kv_lengths, k.shape[2])
         return _reference_backward(do, q, k, v, out, lse, mask, None, scale, causal, 0, False, 0, 0.0, None)
     from fusionpass.kernels.attention import attention_bwd
 
@@ -122,9 +147,11 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor, *, sc
     if q.shape[2] != k.shape[2] or key_padding.shape != (q.shape[0], k.shape[2]):
         raise ValueError("padded_attention takes square scores and a [B, L] key_padding")
     seq_kv, kv_lengths, prefix = _lengths(key_padding)
-    out_l, lse_l = _library_forward(q, k, v, seq_kv, scale, causal)
+    library = _try_library("forward", lambda: _library_forward(q, k, v, seq_kv, scale, causal), q, k)
+    if library is None:
+        return _kernel_forward(q, k, v, key_padding, None, scale, causal)
     out_k, lse_k = _kernel_forward(q, k, v, key_padding, kv_lengths, scale, causal)
-    return _by_row(prefix, out_l, out_k).contiguous(), _by_row(prefix, lse_l, lse_k).contiguous()
+    return _by_row(prefix, library[0], out_k).contiguous(), _by_row(prefix, library[1], lse_k).contiguous()
 
 
 @padded_attention.register_fake
@@ -137,9 +164,13 @@ def padded_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
                               key_padding: Tensor, *, scale: float,
                               causal: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     seq_kv, kv_lengths, prefix = _lengths(key_padding)
-    grads_l = _library_backward(do, q, k, v, out, lse, seq_kv, scale, causal)
+    # (our kernel's backward takes any correct forward's out and lse, cuDNN's rows included)
+    library = None if _refusal_key("forward", q, k) in _REFUSED else _try_library(
+        "backward", lambda: _library_backward(do, q, k, v, out, lse, seq_kv, scale, causal), q, k)
+    if library is None:
+        return tuple(t.contiguous() for t in _kernel_backward(do, q, k, v, out, lse, key_padding, None, scale, causal))
     grads_k = _kernel_backward(do, q, k, v, out, lse, key_padding, kv_lengths, scale, causal)
-    return tuple(_by_row(prefix, a, b).contiguous() for a, b in zip(grads_l, grads_k))
+    return tuple(_by_row(prefix, a, b).contiguous() for a, b in zip(library, grads_k))
 
 
 @padded_attention_backward.register_fake

@@ -75,3 +75,28 @@ def test_off_by_default():
     from fusionpass import config as config_mod
 
     assert config_mod.make().attention_cudnn_padding is False
+
+
+def test_a_shape_cudnn_refuses_goes_to_our_kernel(monkeypatch):
+    """Where cuDNN builds no plan (a head dim or GQA ratio its version does not take), every row of
+    that shape goes to our kernel, with one warning, and the result is still the kernel route's."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 19, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 2, 19, 64, dtype=torch.bfloat16), torch.randn(2, 2, 19, 64, dtype=torch.bfloat16)
+    kp = torch.ones(2, 19, dtype=torch.bool)
+    kp[1, 11:] = False
+
+    def refuse(*args):
+        raise RuntimeError("no plan")
+
+    monkeypatch.setattr(op, "_library_forward", refuse)
+    monkeypatch.setattr(op, "_REFUSED", set())
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with pytest.warns(UserWarning, match="cuDNN refused the forward"):
+        out, lse = torch.ops.fusionpass.padded_attention(*leaves, kp, scale=0.125, causal=True)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    expected = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = torch.ops.fusionpass.flash_attention(*expected, kp, scale=0.125, causal=True)
+    ref_grads = torch.autograd.grad(ref, expected, torch.ones_like(ref))
+    for a, b in zip((out, lse, *grads), (ref, ref_lse, *ref_grads)):
+        torch.testing.assert_close(a, b)
