@@ -56,11 +56,33 @@ def _io_type(dtype: torch.dtype):
     return {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}[dtype]
 
 
+class Refused(RuntimeError):
+    """cuDNN builds no plan for this call (a head dim, GQA ratio or layout its version does not
+    take): the caller serves it another way."""
+
+
+# Plans per shape: a padding collator that pads to each batch's longest row makes a new S per
+# step, so the oldest plans are dropped past this many.
+_MAX_GRAPHS = 64
+
+
 def _graph(key, build):
     with _LOCK:
         if key not in _GRAPHS:
-            _GRAPHS[key] = build()
+            try:
+                _GRAPHS[key] = build()
+            except Exception as e:  # cudnn-frontend's own error types, from validate() to build_plans()
+                raise Refused(f"{type(e).__name__}: {e}") from e
+            while len(_GRAPHS) > _MAX_GRAPHS:
+                _GRAPHS.pop(next(iter(_GRAPHS)))
         return _GRAPHS[key]
+
+
+def _operand(t: torch.Tensor) -> torch.Tensor:
+    """cuDNN reads dense innermost dims from 16-byte-aligned addresses: anything else is copied."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
+        return t.contiguous()
+    return t
 
 
 def _lengths(g, B):
@@ -130,10 +152,13 @@ def _build_bwd(dtype, shapes, strides, scale, causal, device):
 
 def _key(direction, q, k, v, scale, causal):
     return (direction, q.dtype, tuple(q.shape), tuple(k.shape), q.stride(), k.stride(), v.stride(), float(scale),
-            bool(causal), q.device)
+            bool(causal), q.device, torch.are_deterministic_algorithms_enabled())
 
 
 def padded_fwd(q, k, v, seq_len_kv, *, scale: float, causal: bool):
+    """(out [B, Hq, S, D], lse [B, Hq, S] fp32, natural log): every query row sees its batch row's
+    first seq_len_kv keys (top-left causal with `causal`). Raises Refused where cuDNN has no plan."""
+    q, k, v = _operand(q), _operand(k), _operand(v)
     B, Hq, S, D = q.shape
     g, t, ws = _graph(_key("fwd", q, k, v, scale, causal),
                       lambda: _build_fwd(q.dtype, (q.shape, k.shape), (q.stride(), k.stride(), v.stride()), scale,
@@ -150,6 +175,11 @@ def padded_fwd(q, k, v, seq_len_kv, *, scale: float, causal: bool):
 
 
 def padded_bwd(do, q, k, v, out, lse, seq_len_kv, *, scale: float, causal: bool):
+    """(dq, dk, dv) of padded_fwd. The rows of dk and dv past each batch row's seq_len_kv are zero:
+    no query sees those keys, and cuDNN's padded backward need not write them (its own torch op
+    declines this layout; cudnn-frontend's changelog lists zeroed padded rows as a newer kernel's
+    feature), so they are set here rather than trusted."""
+    q, k, v = _operand(q), _operand(k), _operand(v)
     B, Hq, S, D = q.shape
     g, t, ws = _graph(_key("bwd", q, k, v, scale, causal),
                       lambda: _build_bwd(q.dtype, (q.shape, k.shape), (q.stride(), k.stride(), v.stride()), scale,
@@ -164,4 +194,6 @@ def padded_bwd(do, q, k, v, out, lse, seq_len_kv, *, scale: float, causal: bool)
     g.execute({tq: q, tk: k, tv: v, to: out.contiguous(), tdo: do.contiguous(),
                tstats: lse.reshape(B, Hq, S, 1).contiguous(), tseq_q: seq_q, tseq_kv: seq_kv, tdq: dq, tdk: dk,
                tdv: dv}, workspace, handle=_handle(q.device))
-    return dq, dk, dv
+    past = (torch.arange(S, device=q.device)[None, :] >= seq_kv.view(B, 1))[:, None, :, None]
+    zero = torch.zeros((), dtype=dk.dtype, device=dk.device)
+    return dq, torch.where(past, zero, dk), torch.where(past, zero, dv)

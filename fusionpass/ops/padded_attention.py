@@ -60,12 +60,16 @@ def _refusal_key(direction, q, k):
 
 
 def _try_library(direction, call, q, k):
+    """call()'s result, or None where cuDNN builds no plan for it (kernels.cudnn_attention.Refused;
+    any other failure, at run time, is raised)."""
+    from fusionpass.kernels.cudnn_attention import Refused
+
     key = _refusal_key(direction, q, k)
     if key in _REFUSED:
         return None
     try:
         return call()
-    except Exception as e:  # cudnn-frontend raises its own error types when no plan fits
+    except Refused as e:
         _REFUSED.add(key)
         warnings.warn(f"fusionpass::padded_attention: cuDNN refused the {direction} of q {tuple(q.shape)}, "
                       f"k {tuple(k.shape)} ({type(e).__name__}: {str(e)[:200]}); our kernel serves every row")

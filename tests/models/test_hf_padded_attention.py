@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from helpers import assert_outcomes_close, compile_and_count, near_misses  # noqa: E402
 from models.test_hf_attention import KERNEL_WIDTHS, LAYERS, build, inputs  # noqa: E402
 
+from fusionpass.kernels.cudnn_attention import Refused  # noqa: E402
 from fusionpass.ops import padded_attention as op  # noqa: E402
 
 ATTENTION = ["flash_attention"]
@@ -87,7 +88,7 @@ def test_a_shape_cudnn_refuses_goes_to_our_kernel(monkeypatch):
     kp[1, 11:] = False
 
     def refuse(*args):
-        raise RuntimeError("no plan")
+        raise Refused("no plan")
 
     monkeypatch.setattr(op, "_library_forward", refuse)
     monkeypatch.setattr(op, "_REFUSED", set())
@@ -100,3 +101,16 @@ def test_a_shape_cudnn_refuses_goes_to_our_kernel(monkeypatch):
     ref_grads = torch.autograd.grad(ref, expected, torch.ones_like(ref))
     for a, b in zip((out, lse, *grads), (ref, ref_lse, *ref_grads)):
         torch.testing.assert_close(a, b)
+
+
+def test_a_failure_other_than_a_refusal_is_raised(monkeypatch):
+    """Only cuDNN's refusal to plan a shape falls back; anything else (a failure at run time) is the
+    caller's to see, not a silent switch of kernels."""
+    def fail(*args):
+        raise RuntimeError("CUDNN_STATUS_EXECUTION_FAILED")
+
+    monkeypatch.setattr(op, "_library_forward", fail)
+    monkeypatch.setattr(op, "_REFUSED", set())
+    q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="EXECUTION_FAILED"):
+        torch.ops.fusionpass.padded_attention(q, q, q, torch.ones(1, 8, dtype=torch.bool), scale=0.125)
