@@ -194,8 +194,8 @@ class TrainerLM(nn.Module):
         return out.loss, out.logits.float()
 
 
-class _CheckpointedTrainerLM(_TrainerLM):
-    """_TrainerLM with gradient_checkpointing=True: each layer a checkpointed body the model's graph
+class _CheckpointedTrainerLM(TrainerLM):
+    """TrainerLM with gradient_checkpointing=True: each layer a checkpointed body the model's graph
     calls, its mask and autocast state proven there."""
 
     def __init__(self, model):
