@@ -315,7 +315,8 @@ def rms_norm_fwd(
     """RMSNorm of h = x (+ residual) over the last dim. Returns (y, h, rstd).
 
     y has x's shape and `out_dtype` (default x.dtype; pass the promoted dtype for a Llama-style norm
-    whose weight dtype differs from the input's). h is x's dtype and shape: x itself when there is no
+    whose weight dtype differs from the input's). A float32 x may take a 16-bit residual (added in
+    float32). h is x's dtype and shape: x itself when there is no
     residual, None when `store_h` is False. rstd is fp32 of shape [numel // N].
     `max_chunk` (widest column chunk, a power of two) is a testing knob; results do not depend on it.
     """
@@ -324,9 +325,10 @@ def rms_norm_fwd(
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError("x must have a non-empty last dimension")
     n = x.shape[-1]
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                 or residual.device != x.device):
-        raise ValueError("residual must match x in shape, dtype and device")
+    if residual is not None and (residual.shape != x.shape or residual.device != x.device
+                                 or not _residual_dtype_ok(x.dtype, residual.dtype)):
+        raise ValueError("residual must match x in shape and device, and in dtype unless x is float32 "
+                         "and residual 16-bit (added in float32)")
     _check_weight(weight, n, x.device)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in _FLOAT_DTYPES:
@@ -348,6 +350,13 @@ def rms_norm_fwd(
     with _device_guard(x.device):
         _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, y, h, rstd, max_chunk)
     return y, h_out, rstd
+
+
+def _residual_dtype_ok(x_dtype: torch.dtype, residual_dtype: torch.dtype) -> bool:
+    """x's dtype is h's (IN_DT: the kernel rounds the sum to it), so a 16-bit residual may join
+    an fp32 x (autocast over fp32 weights), not the other way round."""
+    return residual_dtype == x_dtype or (x_dtype == torch.float32
+                                         and residual_dtype in (torch.float16, torch.bfloat16))
 
 
 def _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, y, h, rstd, max_chunk):

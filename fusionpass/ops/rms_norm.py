@@ -1,7 +1,8 @@
 """fusionpass::rms_norm_residual and fusionpass::rms_norm: triton_ops (CUDA), host custom ops (CPU), autograd.
 
 Both ops compute, per row of the last dimension,
-    h = x + residual                           (rounded to the input dtype, as the model does)
+    h = x + residual                           (rounded to x's dtype, as the model does; a float32 x
+                                                may take a 16-bit residual: autocast over fp32 weights)
     n = float32(h) * rsqrt(mean(float32(h)^2) + eps)
     y = cast(cast(n) * weight)                  if weight_after_cast (HF Llama/Mistral/Qwen)
       = cast(n * (float32(weight) + offset))    otherwise (Gemma's 1 + w, plain fp32 RMSNorm)
@@ -198,12 +199,15 @@ def _save(ctx, h, weight, rstd, weight_index, eps_and_flags):
 def _setup_residual(ctx, inputs, output):
     x, residual, weight, *flags = inputs
     _save(ctx, output[1], weight, output[2], 2, flags)
+    ctx.residual_dtype = residual.dtype
 
 
 def _backward_residual(ctx, dy, dh, _drstd):
     h, weight, _ = ctx.saved_tensors
     dx, dweight = _backward(ctx, dy, dh, h, weight)
-    return dx, dx, dweight, None, None, None
+    # a 16-bit residual added to an fp32 x (autocast) gets its gradient in its own dtype, as the
+    # add's own backward would give it
+    return dx, dx.to(ctx.residual_dtype), dweight, None, None, None
 
 
 def _setup_plain(ctx, inputs, output):

@@ -4,8 +4,8 @@ The match starts at the `rsqrt` of the statistics,
     rstd = rsqrt(mean(hf^2, dim=-1, keepdim=True) + eps)        (or hf * hf, or square(hf))
     n    = X * rstd                                              X, hf: exact upcasts of one h
 and the *output forms* below say what follows n. If h itself is `a + b` of two tensors of its own
-shape and dtype, the add is fused too and h comes out of the kernel for its other users (the next
-residual). Casts to float32 from bf16/fp16 are exact, so `.float()` / `.to(float32)` / no cast at
+shape and dtype (or an fp32 h of an fp32 and a 16-bit operand: autocast over fp32 weights), the add
+is fused too and h comes out of the kernel for its other users (the next residual). Casts to float32 from bf16/fp16 are exact, so `.float()` / `.to(float32)` / no cast at
 all (T5 multiplies bf16 h by fp32 rstd) compute the same n.
 """
 from __future__ import annotations
@@ -166,18 +166,26 @@ OUTPUT_FORMS = (
 
 
 def _residual_operands(h: fx.Node):
-    """(a, b) if h = a + b of two tensors shaped and typed like h (a residual add)."""
+    """(a, b) if h = a + b of two tensors shaped like h (a residual add), a typed like h. b is typed
+    like h too, or, where h is float32, 16-bit: a sublayer's output under autocast added to the fp32
+    residual stream of fp32 weights (the HF Trainer's bf16=True), which the kernel adds in fp32 as
+    the model's type promotion does."""
     if not g.is_op(h, "add"):
         return None
     pair = g.binary_operands(h)
     if pair is None:
         return None
     ht = g.tensor(h)
-    for t in pair:
-        tt = g.tensor(t)
-        if tt is None or tt.shape != ht.shape or tt.dtype != ht.dtype:
-            return None
-    return pair
+    tensors = [g.tensor(t) for t in pair]
+    if any(t is None or t.shape != ht.shape for t in tensors):
+        return None
+    same = [t.dtype == ht.dtype for t in tensors]
+    if all(same):
+        return pair
+    narrow = tensors[same.index(False)].dtype
+    if not any(same) or ht.dtype != torch.float32 or narrow not in (torch.float16, torch.bfloat16):
+        return None
+    return pair if same[0] else pair[::-1]
 
 
 def _search(form_name, form, with_residual: bool):
@@ -440,7 +448,8 @@ RMS_NORM_RESIDUAL = registry.register(
             "<form>_no_residual); the sum is returned for the next residual"
         ),
         selected_when=(
-            "CUDA tensors, float32/float16/bfloat16 without dtype mixing, constant eps, "
+            "CUDA tensors, float32/float16/bfloat16 without dtype mixing (but for autocast's residual "
+            "stream: a 16-bit sublayer output added to an fp32 residual), constant eps, "
             "per-channel weight; training: the norm is differentiated"
         ),
         anchor=lambda node: g.is_op(node, "rsqrt") or is_torch_rms_norm(node),

@@ -33,3 +33,33 @@ def test_reference_matches_kernel(monkeypatch, dtype, residual, offset, after_ca
     for a, b in zip(kernel, reference):
         assert a.shape == b.shape and a.dtype == b.dtype
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16])
+def test_autocast_residual_stream(monkeypatch, narrow):
+    """Autocast over fp32 weights: the fp32 stream x plus a 16-bit sublayer output r. Both paths
+    compute the model's fp32 sum and norm (float64 below), and r gets its gradient in its dtype."""
+    x = torch.randn(3, 5, 67)
+    r = torch.randn(3, 5, 67).to(narrow)
+    w = 1 + 0.1 * torch.randn(67)
+    kernel = _run(monkeypatch, True, x, r, w, 0.0, True)
+    reference = _run(monkeypatch, False, x, r, w, 0.0, True)
+    h64 = x.double() + r.double()
+    y64 = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    for got in (kernel, reference):
+        y, h, _, dx, _, dr = got
+        assert (y.dtype, h.dtype, dx.dtype, dr.dtype) == (torch.float32, torch.float32, torch.float32, narrow)
+        torch.testing.assert_close(h.double(), h64, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dr.float(), dx.to(narrow).float(), rtol=0, atol=0)
+    for a, b in zip(kernel, reference):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_16bit_x_with_fp32_residual_is_refused(monkeypatch):
+    """The sum is rounded to x's dtype, so an fp32 residual on a 16-bit x would lose it: refused."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from fusionpass.kernels.rms_norm import rms_norm_fwd
+
+    with pytest.raises(ValueError, match="residual must match x"):
+        rms_norm_fwd(torch.randn(4, 67).bfloat16(), torch.randn(4, 67), None, 1e-5)

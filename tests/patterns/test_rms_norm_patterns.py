@@ -269,6 +269,32 @@ def test_residual_add_spellings(add):
     assert_outcomes_close(got, eager(model, x, train=True), FP32)
 
 
+class Autocast(nn.Module):
+    """`inner` under bf16 autocast: the HF Trainer's bf16=True over fp32 weights."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        with torch.autocast("cpu", dtype=BF16):
+            return self.inner(*args)
+
+
+@pytest.mark.parametrize("make_norm, variant", [(LlamaRMSNorm, "llama"), (torch_rms_norm, "torch_rms_norm")],
+                         ids=["llama", "nn.RMSNorm"])
+def test_autocast_residual_stream_fuses_the_add(make_norm, variant):
+    """Under autocast each projection's output is bf16 and the residual stream fp32: their fp32
+    sum is fused as in an fp32 model, in both operand orders, and every gradient keeps its dtype."""
+    model = Autocast(block(make_norm, FP32))
+    x = inputs(FP32)
+    got, stats = compile_and_count(model, x, train=True)
+    assert stats == block_counts(variant), near_misses()
+    assert near_misses() == []
+    assert got.outputs[0].dtype == FP32
+    assert_outcomes_close(got, eager(model, x, train=True), BF16)
+
+
 def test_norm_without_residual_alone():
     """The first layer's norm (its input is not an add) is fused without the add."""
     norm = LlamaRMSNorm().to(BF16)
