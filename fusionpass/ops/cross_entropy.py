@@ -9,7 +9,8 @@ computes F.cross_entropy(cap(h @ weight^T + bias), labels.reshape(-1), ignore_in
 reduction=..., label_smoothing=...) where cap is `softcap * tanh(z / softcap)` (softcap 0: none),
 rounded to the model dtype when `softcap_rounded` (the model caps before its upcast, Gemma-2).
 h is [..., D], weight [V, D], bias [V] or None, labels have h.shape[:-1].numel() elements.
-The loss is fp32 when `upcast` (the model calls `.float()` on the logits) and h's dtype otherwise.
+The loss is fp32 when `upcast` (the model calls `.float()` on the logits, or autocast computes the
+loss in fp32) and h's dtype otherwise.
 `logits` ([..., V], h's dtype: the capped logits, as the model returns them) is written only when
 `return_logits`; dh/dw/db are the gradients of the loss (empty unless asked for, and db only with a
 bias). They are outputs only so that autograd can save them: they, and the logits, are

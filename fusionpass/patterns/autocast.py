@@ -23,6 +23,7 @@ is then made in the narrow dtype, and the attention fusions see repeat_kv over t
 """
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import operator
 
@@ -41,7 +42,7 @@ LOWER_PRECISION = (
     "matmul", "mm", "bmm",
 )
 # ops that only rearrange elements: a cast commutes with them
-_SHAPE_ONLY = (*g.VIEWS, *g.TRANSPOSES, *g.PERMUTES, "expand", torch.Tensor.expand, "contiguous",
+_SHAPE_ONLY = (*g.VIEWS, *g.TRANSPOSES, *g.PERMUTES, "t", torch.t, "expand", torch.Tensor.expand, "contiguous",
                "unsqueeze", torch.unsqueeze, operator.getitem)
 _ENTER = torch.amp.autocast_mode._enter_autocast
 _EXIT = torch.amp.autocast_mode._exit_autocast
@@ -96,12 +97,20 @@ def _eligible(arg, device: str, dtype: torch.dtype) -> bool:
             and t.dtype not in (torch.float64, dtype))
 
 
+def _shape_only(node) -> bool:
+    """A node that only rearranges its first argument's elements: a cast commutes with it. `w.T`
+    (tied embeddings' `h @ embed.weight.T`) is a getattr call in the Dynamo graph."""
+    return g.is_call(node, _SHAPE_ONLY) or (
+        isinstance(node, fx.Node) and node.op == "call_function" and node.target is builtins.getattr
+        and len(node.args) == 2 and node.args[1] in ("T", "mT"))
+
+
 def _root(arg: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     """The tensor a chain of shape-only ops with one reader each leads from (and the chain, first
     op first), for a cast above them."""
     chain = []
     node = arg
-    while (g.is_call(node, _SHAPE_ONLY) and len(node.users) == 1 and isinstance(g.first_arg(node), fx.Node)
+    while (_shape_only(node) and len(node.users) == 1 and isinstance(g.first_arg(node), fx.Node)
            and g.tensor(g.first_arg(node)) is not None
            and not any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values()))):
         chain.append(node)

@@ -506,7 +506,9 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
         float(chain.softcap),
         bool(chain.softcap_rounded),
         args["reduction"],
-        g.dtype(args["input"]) == torch.float32,
+        # the loss's own dtype, not its input's: under autocast cross_entropy upcasts 16-bit logits
+        # (an op of autocast's fp32 list) and returns an fp32 loss
+        g.dtype(ce) == torch.float32,
         bool(b["return_logits"]),
         b["need_dh"],
         b["need_dw"],

@@ -242,6 +242,33 @@ def test_autocast_over_fp32_weights():
     assert_same(got, step(module, module, h, labels), BF16)
 
 
+class TiedMatmulAutocast(nn.Module):
+    """Plain training code with tied embeddings under autocast over fp32 weights: `h @ E.T` (or
+    `E.t()`); autocast casts E before the transpose, which the pass writes above it."""
+
+    def __init__(self, attr):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.attr = attr
+
+    def forward(self, h, y):
+        with torch.autocast("cpu", dtype=BF16):
+            w = self.embed.weight.T if self.attr else self.embed.weight.t()
+            logits = h.reshape(-1, WIDTH) @ w
+            return F.cross_entropy(logits, y.reshape(-1), label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("attr", [True, False], ids=[".T", ".t()"])
+def test_autocast_tied_matmul(attr):
+    module = TiedMatmulAutocast(attr)
+    with torch.no_grad():
+        module.embed.weight.mul_(WIDTH**-0.5)
+    h, labels = inputs()
+    got, stats = compile_step(module, h, labels)
+    assert stats == counts("matmul"), (stats, near_misses())
+    assert_same(got, step(module, module, h, labels), BF16)
+
+
 def test_inference_with_labels():
     """Evaluation (no grad): the op computes the loss only, nothing for a backward."""
     module = CausalLMHead()
