@@ -272,6 +272,15 @@ def main():
         except Exception as e:  # only a record: the calls say whether it runs
             result["cudnn_backend_seen_by_frontend"] = f"{type(e).__name__}: {e}"[:200]
     wanted = set(args.shapes.split(",")) if args.shapes else None
+
+    def record(key, row):
+        # written after every row: a run stopped at the device's time limit still leaves its rows
+        print(json.dumps(row), flush=True)
+        result[key].append(row)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
     for name, B, Hq, Hkv, S, D, causal in SHAPES:
         if wanted and name not in wanted:
             continue
@@ -293,21 +302,15 @@ def main():
                         row.update(timings(fn, q, k, v, do, kp, causal, backward))
                 except Exception as e:  # the call refused this layout: that is the finding
                     row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(json.dumps(row), flush=True)
-                result["rows"].append(row)
+                record("rows", row)
             if kind == "right":
                 row = {"shape": name, "padding": kind, "call": "device-side prefix check",
                        "fwd ms": cuda_graph_ms(lambda: prefix_rows(kp)),
                        "prefix rows": prefix_rows(kp)[1].tolist()}
-                print(json.dumps(row), flush=True)
-                result["rows"].append(row)
+                record("rows", row)
         if not args.no_sweep and name in SWEEP_SHAPES:
             found = {"shape": name, **sweep(q, k, v, do, key_padding("ones", B, S), causal)}
-            print(json.dumps(found), flush=True)
-            result["sweeps"].append(found)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+            record("sweeps", found)
 
 
 if __name__ == "__main__":
