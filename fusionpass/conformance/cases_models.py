@@ -208,20 +208,15 @@ class _CheckpointedTrainerLM(TrainerLM):
 # arithmetic is bf16 whatever the weights, so the floor is bf16's.
 TRAINER_EXPECT = {"rms_norm_residual": 5, "rope": 2, "flash_attention": 2, "attention_out_proj": 2,
                   "swiglu_mlp": 2, "linear_cross_entropy": 1}
-for _name, _weights in (("llama", torch.float32), ("llama", torch.bfloat16), ("qwen2", torch.float32)):
+# (model, weights, the step's wrapper, the variant's suffix): with gradient_checkpointing=True too
+for _name, _weights, _wrap, _suffix in (("llama", torch.float32, TrainerLM, ""), ("llama", torch.bfloat16, TrainerLM, ""),
+                                        ("qwen2", torch.float32, TrainerLM, ""),
+                                        ("llama", torch.float32, _CheckpointedTrainerLM, "-checkpointing")):
     _cfg, _cls, _attn, _b, _s, _v, _mlm, _config = MODELS[_name]
-    _w = dtype_name(_weights)
+    _variant = f"{_name}-trainer-amp{_suffix}"
     CASES.append(Case(
-        name=f"model/{_name}-trainer-amp/train/{_w}/B{_b}xS{_s}", fusion="model", variant=f"{_name}-trainer-amp",
-        make=_make(_cfg, _cls, _attn, _b, _s, _v, _mlm, _config, wrap=TrainerLM),
+        name=f"model/{_variant}/train/{dtype_name(_weights)}/B{_b}xS{_s}", fusion="model", variant=_variant,
+        make=_make(_cfg, _cls, _attn, _b, _s, _v, _mlm, _config, wrap=_wrap),
         dtype=_weights, train=True, expect=TRAINER_EXPECT, config={"linear_cross_entropy_min_vocab": 5000},
         eager_baseline=True, floor=FLOOR[torch.bfloat16], differentiated_outputs=1,
     ))
-_cfg, _cls, _attn, _b, _s, _v, _mlm, _config = MODELS["llama"]
-CASES.append(Case(
-    name=f"model/llama-trainer-amp-checkpointing/train/fp32/B{_b}xS{_s}", fusion="model",
-    variant="llama-trainer-amp-checkpointing",
-    make=_make(_cfg, _cls, _attn, _b, _s, _v, _mlm, _config, wrap=_CheckpointedTrainerLM),
-    dtype=torch.float32, train=True, expect=TRAINER_EXPECT, config={"linear_cross_entropy_min_vocab": 5000},
-    eager_baseline=True, floor=FLOOR[torch.bfloat16], differentiated_outputs=1,
-))
