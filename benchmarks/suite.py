@@ -940,6 +940,8 @@ def suite_environment() -> dict:
 
 TITLES = {"models": "model steps (every fusion, default settings)",
           "trainer": "the HF Trainer with bf16=True and torch_compile=True (benchmarks/trainer.py)",
+          "trainer-compile-time": "first-step compile time on the HF Trainer path, cold and warm caches "
+                                  "(benchmarks/trainer.py --compile-time)",
           "regional": "regional compilation: torchtitan-style training steps, every block and the loss region "
                       "compiled on their own (every fusion, default settings)",
           "compile-time": "first-step compile time of the model steps (plain torch.compile against fusionpass)"}
@@ -1043,7 +1045,25 @@ def trainer_section(latest: pathlib.Path = LATEST) -> str:
             continue
         lines.append(f"| {r['case']} | {r['plain_ms']} | {r['fusionpass_ms']} | {r['ratio']}× | "
                      f"{r['plain_peak_gib']} → {r['fusionpass_peak_gib']} |")
-    return "\n".join(lines + ["", TRAINER_END])
+    return "\n".join(lines + trainer_compile_time_lines(latest) + ["", TRAINER_END])
+
+
+def trainer_compile_time_lines(latest: pathlib.Path = LATEST) -> list[str]:
+    """The Trainer path's first steps, cold and warm (benchmarks/trainer.py --compile-time), where measured."""
+    path = latest / "trainer-compile-time.json"
+    if not path.exists():
+        return ["", "First step on this path, cold and warm: not measured yet (`python benchmarks/trainer.py "
+                    "--compile-time` on a GPU)."]
+    topic = json.loads(path.read_text())
+    lines = ["", f"First step (compile + one step) on this path, {topic['environment']['date']} "
+                 "(`benchmarks/results/latest/trainer-compile-time.md`):", "",
+             "| case | caches | plain torch.compile s | fusionpass s | added |", "|---|---|---|---|---|"]
+    for r in topic["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['cache']} | error (see latest/trainer-compile-time.md) | | |")
+        elif r["cache"] in ("cold", "warm"):
+            lines.append(f"| {r['case']} | {r['cache']} | {r['plain_s']} | {r['fusionpass_s']} | {r['added']:+.1%} |")
+    return lines
 
 
 def rewrite_readme(readme: pathlib.Path = ROOT / "README.md") -> None:

@@ -12,6 +12,13 @@ random tokens with a collator's all-ones attention_mask, so the Trainer passes n
     python benchmarks/trainer.py                         # every row, writes benchmarks/results/latest/trainer.*
     python benchmarks/trainer.py --steps 200 --repeat-plain   # the loss-curve check: plain twice
     python benchmarks/trainer.py --smoke --device cpu    # the CPU test's tiny run
+    python benchmarks/trainer.py --compile-time [--breakdown]   # first steps, cold and warm: trainer-compile-time.*
+
+--compile-time (issue 41): per weight dtype and side, a cold run (empty Inductor and Triton cache
+folders of its own) and a warm run (a second process over the folders the cold one filled), each to
+its first steps only. --breakdown adds a cold run per side with Inductor's compile workers off
+(TORCHINDUCTOR_COMPILE_THREADS=1), so that every Triton compile happens in the process and is
+timed by kernel, beside Dynamo's phase times and fusionpass's own pass: where the added seconds go.
 """
 from __future__ import annotations
 
@@ -37,13 +44,80 @@ SMOKE_MODEL = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_h
 SMOKE_SETTINGS = dict(cpu=True, rope_min_tokens=1, linear_cross_entropy_min_vocab=1, rms_norm_min_width=1)
 
 
-def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bool, device: str) -> dict:
+class TritonCompileClock:
+    """Seconds of each triton.compile in this process, by kernel name (Inductor's compile workers
+    off: see --breakdown)."""
+
+    def __init__(self):
+        import triton
+
+        self.seconds: dict[str, float] = {}
+        self._compile = triton.compile
+        clock = self
+
+        def timed(src, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return clock._compile(src, *args, **kwargs)
+            finally:
+                name = getattr(getattr(src, "fn", None), "__name__", None) or getattr(src, "name", None) or "?"
+                clock.seconds[name] = clock.seconds.get(name, 0.0) + time.perf_counter() - start
+
+        # every name it is called by: Inductor's `triton.compile`, a JIT function's binder's
+        # `triton.compiler.compile` (bound at its first launch, after this)
+        import triton.compiler
+        import triton.compiler.compiler
+
+        triton.compile = triton.compiler.compile = triton.compiler.compiler.compile = timed
+        # torch's analysis of which tensors a user kernel writes makes the kernel's TTIR at each call
+        # site it traces (functionalization, Inductor's lowering): its seconds and calls by kernel
+        from torch._higher_order_ops import triton_kernel_wrap
+
+        self.ttir_seconds: dict[str, list[float]] = {}
+        generate_ttir = triton_kernel_wrap.generate_ttir
+
+        def timed_ttir(kernel, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return generate_ttir(kernel, *args, **kwargs)
+            finally:
+                name = getattr(getattr(kernel, "fn", kernel), "__name__", "?")
+                self.ttir_seconds.setdefault(name, []).append(time.perf_counter() - start)
+
+        triton_kernel_wrap.generate_ttir = timed_ttir
+
+    def report(self, top: int = 12) -> dict:
+        ours = {k: v for k, v in self.seconds.items() if not k.startswith("triton_")}
+        ttir = sorted(self.ttir_seconds.items(), key=lambda kv: -sum(kv[1]))
+        return {"total_s": round(sum(self.seconds.values()), 2), "kernels": len(self.seconds),
+                "ttir_s": round(sum(sum(v) for v in self.ttir_seconds.values()), 2),
+                "ttir_calls": {k: [len(v), round(sum(v), 2)] for k, v in ttir[:top]},
+                "inductor_generated_s": round(sum(v for k, v in self.seconds.items() if k.startswith("triton_")), 2),
+                "user_kernels_s": {k: round(v, 2) for k, v in sorted(ours.items(), key=lambda kv: -kv[1])[:top]}}
+
+
+def compile_phases() -> dict:
+    """Dynamo's compile phase seconds (summed over graphs), its graph and break counts."""
+    from torch._dynamo import utils
+
+    phases = {k: round(sum(v), 2) for k, v in getattr(utils, "compilation_time_metrics", {}).items() if v}
+    counters = utils.counters
+    caches = {f"{group}.{k}": v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
+              if "cache" in k}
+    return {"phases_s": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:16]),
+            "unique_graphs": counters["stats"].get("unique_graphs", 0),
+            "graph_breaks": sum(counters["graph_break"].values()), "caches": caches}
+
+
+def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bool, device: str,
+            breakdown: bool = False) -> dict:
     """One Trainer run in this process."""
     import torch
     import transformers
 
     cuda = device == "cuda"  # timing runs: correctness is the conformance suite's (NaN-filled memory there)
     matched = {}
+    triton_clock = TritonCompileClock() if breakdown else None
     if side == "fusionpass":
         import fusionpass
 
@@ -75,10 +149,13 @@ def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bo
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         trainer.train()
+    pass_s = None
     if side == "fusionpass":
         import fusionpass
+        from fusionpass.passes import STATISTICS
 
         matched = fusionpass.stats()
+        pass_s = round(sum(STATISTICS.seconds.values()), 3)
     steps_ms = [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
     timed = steps_ms[len(steps_ms) // 5:] or steps_ms  # past the first fifth (allocator and autotune warm-up)
     return {
@@ -87,17 +164,20 @@ def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bo
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "first_step_s": round(marks[0] - start, 1) if marks else None,
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
-        "matched": matched,
+        "matched": matched, "pass_s": pass_s, "caches": compile_phases()["caches"],
+        **({"breakdown": {**compile_phases(), "triton": triton_clock.report()}} if breakdown else {}),
     }
 
 
-def _spawn(weights, side, args) -> dict:
+def _spawn(weights, side, args, env: dict | None = None, breakdown: bool = False) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, __file__, "--one", weights, side, "--json", f.name, "--steps", str(args.steps),
                "--batch", str(args.batch), "--seq", str(args.seq), "--device", args.device]
         if args.smoke:
             cmd.append("--smoke")
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if breakdown:
+            cmd.append("--breakdown")
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
         if done.returncode != 0:
             return {"weights": weights, "side": side, "error": (done.stderr or done.stdout).strip().splitlines()[-1][:300]}
         return json.loads(pathlib.Path(f.name).read_text())
@@ -145,6 +225,70 @@ def rows_of(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def compile_time_runs(args) -> list[dict]:
+    """Cold, warm (and with --breakdown, in-process compile) runs per weight dtype and side; the
+    sides alternate which goes first from one dtype to the next."""
+    runs = []
+    for i, weights in enumerate(args.weights.split(",")):
+        for side in ("plain", "fusionpass")[::(-1) ** i]:
+            with tempfile.TemporaryDirectory() as cache:
+                caches = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton"}
+                for cache_state in ("cold", "warm"):
+                    print(f"trainer compile time: {weights} weights, {side}, {cache_state}", flush=True)
+                    runs.append({**_spawn(weights, side, args, caches), "cache": cache_state})
+            if args.breakdown:
+                with tempfile.TemporaryDirectory() as cache:
+                    env = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton",
+                           "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+                    print(f"trainer compile time: {weights} weights, {side}, breakdown", flush=True)
+                    runs.append({**_spawn(weights, side, args, env, breakdown=True), "cache": "cold, in-process compile"})
+    return runs
+
+
+def compile_time_rows(runs: list[dict]) -> list[dict]:
+    """One row per weight dtype and cache state: plain's and fusionpass's first steps, the added share."""
+    rows = []
+    for weights in WEIGHTS:
+        for cache in ("cold", "warm", "cold, in-process compile"):
+            by = {r["side"]: r for r in runs if r["weights"] == weights and r.get("cache") == cache}
+            if not by:
+                continue
+            plain, fused = by.get("plain"), by.get("fusionpass")
+            case = f"Trainer, {weights} weights"
+            if not plain or not fused or "error" in plain or "error" in fused:
+                errors = "; ".join(f"{r['side']}: {r['error']}" for r in by.values() if "error" in r)
+                rows.append({"case": case, "mode": "training", "cache": cache, "error": errors or "not run"})
+                continue
+            rows.append({"case": case, "mode": "training", "cache": cache, "plain_s": plain["first_step_s"],
+                         "fusionpass_s": fused["first_step_s"],
+                         "added": round(fused["first_step_s"] / plain["first_step_s"] - 1, 3),
+                         "pass_s": fused.get("pass_s")})
+    return rows
+
+
+def breakdown_lines(runs: list[dict]) -> list[str]:
+    """Where the seconds go, per in-process-compile run: Dynamo's phases, Triton compiles."""
+    lines = []
+    for r in runs:
+        b = r.get("breakdown")
+        if not b:
+            continue
+        t = b["triton"]
+        lines += [f"- {r['weights']} weights, {r['side']}: first step {r['first_step_s']} s; Triton compiled "
+                  f"{t['kernels']} kernels in {t['total_s']} s (Inductor's own {t['inductor_generated_s']} s; "
+                  f"user kernels: {', '.join(f'{k} {v}' for k, v in t['user_kernels_s'].items()) or 'none'}); "
+                  f"torch's TTIR analysis of user kernels {t['ttir_s']} s ("
+                  + ", ".join(f"{k} {n}x {s_} s" for k, (n, s_) in t["ttir_calls"].items()) + "); "
+                  f"{b['unique_graphs']} graphs, {b['graph_breaks']} graph breaks; phases: "
+                  + ", ".join(f"{k} {v}" for k, v in list(b["phases_s"].items())[:8])]
+    return ["Breakdown (compile workers off, so each Triton compile is timed in the process):", "", *lines, ""] if lines else []
+
+
+COMPILE_COLUMNS = [("case", "case"), ("mode", "mode"), ("cache", "caches"), ("plain_s", "plain first step s"),
+                   ("fusionpass_s", "fusionpass first step s"), ("added", "added (fusionpass / plain - 1)"),
+                   ("pass_s", "fusionpass's own pass s")]
+
+
 COLUMNS = [("case", "case"), ("mode", "mode"), ("plain_ms", "plain torch.compile ms"), ("fusionpass_ms", "fusionpass ms"),
            ("ratio", "plain / fusionpass"), ("plain_peak_gib", "plain peak GiB"),
            ("fusionpass_peak_gib", "fusionpass peak GiB"), ("liger_ms", "Liger (eager) ms"),
@@ -168,15 +312,21 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results" / "latest"))
     p.add_argument("--rewrite", action="store_true",
                    help="write trainer.md/.json again from the runs and environment in --out-dir (no run)")
+    p.add_argument("--compile-time", action="store_true",
+                   help="first steps only, cold and warm caches: writes trainer-compile-time.md/.json")
+    p.add_argument("--breakdown", action="store_true",
+                   help="with --compile-time (or --one): also time each Triton compile and Dynamo phase")
     args = p.parse_args(argv)
     if args.one:
-        result = run_one(*args.one, args.steps, args.batch, args.seq, args.smoke, args.device)
+        result = run_one(*args.one, args.steps, args.batch, args.seq, args.smoke, args.device, args.breakdown)
         pathlib.Path(args.json).write_text(json.dumps(result))
         return 0
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import suite
 
     out_dir = pathlib.Path(args.out_dir)
+    if args.compile_time:
+        return compile_time_main(args, argv, suite, out_dir)
     if args.rewrite:
         runs = json.loads((out_dir / "trainer_runs.json").read_text())
         env = json.loads((out_dir / "trainer.json").read_text())["environment"]
@@ -202,6 +352,27 @@ def main(argv=None) -> int:
         "first step is the seconds to the first step's end, compile included, with whatever Inductor cache "
         "the machine had (a side run earlier on the same machine compiles from its cache). "
         "plain / fusionpass > 1 means fusionpass is faster."))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def compile_time_main(args, argv, suite, out_dir: pathlib.Path) -> int:
+    runs_path = out_dir / "trainer_compile_runs.json"
+    if args.rewrite:
+        runs = json.loads(runs_path.read_text())
+        env = json.loads((out_dir / "trainer-compile-time.json").read_text())["environment"]
+    else:
+        runs = compile_time_runs(args)
+        env = suite.suite_environment()
+        env["command"] = "python benchmarks/trainer.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        env["model"] = f"LlamaForCausalLM {SMOKE_MODEL if args.smoke else MODEL}, B{args.batch} S{args.seq}, AdamW"
+        runs_path.parent.mkdir(parents=True, exist_ok=True)
+        runs_path.write_text(json.dumps(runs, indent=1) + "\n")
+    rows = compile_time_rows(runs)
+    suite.write_topic(out_dir, "trainer-compile-time", env, rows, COMPILE_COLUMNS, extra=breakdown_lines(runs), footer=(
+        "Generated by benchmarks/trainer.py --compile-time from trainer_compile_runs.json: each run is its own process; "
+        "first step is the seconds to the first step's end, compile included. cold: empty Inductor and Triton "
+        "cache folders of the run's own; warm: a second process over the folders its cold run filled. "
+        "added > 0 means fusionpass's first step is slower."))
     return 0 if all("error" not in r for r in rows) else 1
 
 

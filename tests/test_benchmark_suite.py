@@ -110,13 +110,56 @@ def test_readme_trainer_table_is_generated_from_its_result():
     assert text.index(suite.TRAINER_BEGIN) < text.index("\n|"), "the Trainer table must be README's first"
 
 
+def _trainer_script():
+    return load_script("trainer_bench", ROOT / "benchmarks" / "trainer.py")
+
+
+def test_trainer_compile_time_rows_from_runs():
+    """--compile-time's rows: per weight dtype, cold and warm (and the in-process breakdown run),
+    plain's and fusionpass's first steps and the added share; the breakdown's lines name where the
+    seconds went."""
+    trainer = _trainer_script()
+    breakdown = {"phases_s": {"compile_fx_inner": 20.0}, "unique_graphs": 1, "graph_breaks": 0, "caches": {},
+                 "triton": {"total_s": 9.0, "kernels": 30, "inductor_generated_s": 5.0, "ttir_s": 3.0,
+                            "ttir_calls": {"_bwd_dq_kernel": [16, 2.0]}, "user_kernels_s": {"_fwd_kernel": 1.5}}}
+    runs = [{"weights": "fp32", "side": "plain", "cache": "cold", "first_step_s": 20.0},
+            {"weights": "fp32", "side": "plain", "cache": "warm", "first_step_s": 8.0},
+            {"weights": "fp32", "side": "fusionpass", "cache": "cold", "first_step_s": 25.0, "pass_s": 0.4},
+            {"weights": "fp32", "side": "fusionpass", "cache": "warm", "first_step_s": 8.4, "pass_s": 0.4},
+            {"weights": "fp32", "side": "fusionpass", "cache": "cold, in-process compile", "first_step_s": 40.0,
+             "breakdown": breakdown},
+            {"weights": "bf16", "side": "plain", "cache": "cold", "error": "boom"},
+            {"weights": "bf16", "side": "fusionpass", "cache": "cold", "first_step_s": 1.0}]
+    rows = trainer.compile_time_rows(runs)
+    cold, warm, inproc, bf16 = rows
+    assert (cold["case"], cold["cache"], cold["added"], cold["pass_s"]) == ("Trainer, fp32 weights", "cold", 0.25, 0.4)
+    assert (warm["cache"], warm["added"]) == ("warm", 0.05)
+    assert inproc["cache"] == "cold, in-process compile" and "not run" in inproc["error"]
+    assert bf16["case"] == "Trainer, bf16 weights" and "boom" in bf16["error"]
+    (line,) = [x for x in trainer.breakdown_lines(runs) if x.startswith("- ")]
+    assert "30 kernels in 9.0 s" in line and "_bwd_dq_kernel 16x 2.0 s" in line and "_fwd_kernel 1.5" in line
+
+
+def test_trainer_breakdown_run_on_the_cpu(tmp_path):
+    """One --breakdown run of the tiny model (in its own process, as --compile-time spawns it):
+    first step, Dynamo's phases and cache counters, and the Triton clocks are reported."""
+    out = tmp_path / "run.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "trainer.py"), "--one", "fp32", "fusionpass", "--json", str(out),
+           "--smoke", "--device", "cpu", "--steps", "2", "--batch", "2", "--seq", "32", "--breakdown"]
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert run["first_step_s"] > 0 and run["pass_s"] > 0 and run["matched"]
+    b = run["breakdown"]
+    assert b["unique_graphs"] >= 1 and b["phases_s"] and any(k.startswith("inductor.fxgraph_cache") for k in b["caches"])
+    assert set(b["triton"]) >= {"total_s", "kernels", "ttir_s", "ttir_calls", "user_kernels_s"}
+
+
 def test_trainer_rows_from_runs():
     """benchmarks/trainer.py's rows: plain / fusionpass per weight dtype, and an error row where a side failed."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("trainer_bench", ROOT / "benchmarks" / "trainer.py")
-    trainer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trainer)
+    trainer = _trainer_script()
     run = dict(step_ms=90.0, peak_gib=20.0, first_step_s=30.0, losses=[10.0, 9.0, 8.5], matched={})
     runs = [{**run, "weights": "fp32", "side": "plain"},
             {**run, "weights": "fp32", "side": "fusionpass", "step_ms": 75.0, "losses": [10.0, 9.1, 8.4]},
