@@ -58,96 +58,76 @@ def _param(width, mean, std=0.1):
 # rms_norm_residual: the norms, as the families write them
 
 
-class LlamaRMSNorm(nn.Module):
-    """HF Llama/Mistral/Qwen2/Qwen3/Phi-3: normalize in fp32, downcast, then `weight * x`."""
+class _Norm(nn.Module):
+    """The state every norm below keeps: eps, and a weight around `weight_mean` (none: no weight).
+    Each subclass's forward is its family's code as written (the casts are what differ)."""
 
-    def __init__(self, width, eps=1e-6):
-        super().__init__()
-        self.weight = _param(width, 1.0)
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
-
-
-class GemmaRMSNorm(nn.Module):
-    """HF Gemma 1/2/3: `1 + weight` (weights around 0) applied in fp32, before the downcast."""
+    weight_mean: float | None = 1.0
 
     def __init__(self, width, eps=1e-6):
         super().__init__()
         self.eps = eps
-        self.weight = _param(width, 0.0)
+        if self.weight_mean is not None:
+            self.weight = _param(width, self.weight_mean)
 
-    def _norm(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+    def _normalized(self, h):
+        """h / rms(h), in h's dtype: `h * rsqrt(mean(h ** 2) + eps)`, as every family writes it."""
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class LlamaRMSNorm(_Norm):
+    """HF Llama/Mistral/Qwen2/Qwen3/Phi-3: normalize in fp32, downcast, then `weight * x`."""
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        return self.weight * self._normalized(hidden_states.to(torch.float32)).to(input_dtype)
+
+
+class GemmaRMSNorm(_Norm):
+    """HF Gemma 1/2/3: `1 + weight` (weights around 0) applied in fp32, before the downcast."""
+
+    weight_mean = 0.0
 
     def forward(self, x):
-        output = self._norm(x.float())
+        output = self._normalized(x.float())
         output = output * (1.0 + self.weight.float())
         return output.type_as(x)
 
 
-class T5LayerNorm(nn.Module):
+class T5LayerNorm(_Norm):
     """HF T5: h is not upcast (half h times fp32 rstd); downcast only for a half weight. Half
     models are the llama form, fp32 ones weight_in_fp32."""
 
-    def __init__(self, width, eps=1e-6):
-        super().__init__()
-        self.weight = _param(width, 1.0)
-        self.variance_epsilon = eps
-
     def forward(self, hidden_states):
         variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.eps)
         if self.weight.dtype in (torch.float16, torch.bfloat16):
             hidden_states = hidden_states.to(self.weight.dtype)
         return self.weight * hidden_states
 
 
-class Olmo2RMSNorm(nn.Module):
+class Olmo2RMSNorm(_Norm):
     """HF OLMo-2: the weight multiplies the fp32 n (type promotion), then one downcast."""
-
-    def __init__(self, width, eps=1e-6):
-        super().__init__()
-        self.weight = _param(width, 1.0)
-        self.variance_epsilon = eps
 
     def forward(self, hidden_states):
         input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return (self.weight * hidden_states).to(input_dtype)
+        return (self.weight * self._normalized(hidden_states.to(torch.float32))).to(input_dtype)
 
 
-class PlainRMSNorm(nn.Module):
+class PlainRMSNorm(_Norm):
     """An fp32 model's RMSNorm without any cast (fp32 only: in half it would mix dtypes)."""
 
-    def __init__(self, width, eps=1e-6):
-        super().__init__()
-        self.weight = _param(width, 1.0)
-        self.eps = eps
-
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return self._normalized(x) * self.weight
 
 
-class NoWeightRMSNorm(nn.Module):
+class NoWeightRMSNorm(_Norm):
     """An RMSNorm without an affine weight."""
 
-    def __init__(self, width, eps=1e-6):
-        super().__init__()
-        self.eps = eps
+    weight_mean = None
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x.to(dtype)
+        return self._normalized(x.to(torch.float32)).to(x.dtype)
 
 
 def TorchRMSNorm(width, eps=1e-6):
