@@ -183,6 +183,18 @@ def _spawn(weights, side, args, env: dict | None = None, breakdown: bool = False
         return json.loads(pathlib.Path(f.name).read_text())
 
 
+def run_environment(suite, argv) -> dict:
+    """The suite's environment, the command, and the fusionpass settings given by environment
+    variables (FUSIONPASS_*, e.g. FUSIONPASS_ATTENTION_CUDNN_PADDING=1 for an opt-in route), which
+    every run of this command inherits."""
+    env = suite.suite_environment()
+    env["command"] = "python benchmarks/trainer.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("FUSIONPASS_")}
+    if settings:
+        env["fusionpass settings"] = ", ".join(f"{k}={v}" for k, v in settings.items())
+    return env
+
+
 def _liger_installed() -> bool:
     import importlib.util
 
@@ -338,8 +350,7 @@ def main(argv=None) -> int:
                 print(f"trainer: {weights} weights, {side}", flush=True)
                 runs.append(_spawn(weights, side, args))
                 print("  ", {k: v for k, v in runs[-1].items() if k != "losses"}, flush=True)
-        env = suite.suite_environment()
-        env["command"] = "python benchmarks/trainer.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        env = run_environment(suite, argv)
         env["model"] = f"LlamaForCausalLM {SMOKE_MODEL if args.smoke else MODEL}, B{args.batch} S{args.seq}, AdamW"
         env["steps"] = args.steps
         (out_dir / "trainer_runs.json").parent.mkdir(parents=True, exist_ok=True)
@@ -362,8 +373,7 @@ def compile_time_main(args, argv, suite, out_dir: pathlib.Path) -> int:
         env = json.loads((out_dir / "trainer-compile-time.json").read_text())["environment"]
     else:
         runs = compile_time_runs(args)
-        env = suite.suite_environment()
-        env["command"] = "python benchmarks/trainer.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        env = run_environment(suite, argv)
         env["model"] = f"LlamaForCausalLM {SMOKE_MODEL if args.smoke else MODEL}, B{args.batch} S{args.seq}, AdamW"
         runs_path.parent.mkdir(parents=True, exist_ok=True)
         runs_path.write_text(json.dumps(runs, indent=1) + "\n")
