@@ -1050,17 +1050,18 @@ def trainer_section(latest: pathlib.Path = LATEST) -> str:
 
 def trainer_compile_time_lines(latest: pathlib.Path = LATEST) -> list[str]:
     """The Trainer path's first steps, cold and warm (benchmarks/trainer.py --compile-time), where measured."""
-    path = latest / "trainer-compile-time.json"
+    topic_name = "trainer-compile-time"
+    path = latest / f"{topic_name}.json"
     if not path.exists():
         return ["", "First step on this path, cold and warm: not measured yet (`python benchmarks/trainer.py "
                     "--compile-time` on a GPU)."]
     topic = json.loads(path.read_text())
     lines = ["", f"First step (compile + one step) on this path, {topic['environment']['date']} "
-                 "(`benchmarks/results/latest/trainer-compile-time.md`):", "",
+                 f"(`benchmarks/results/latest/{topic_name}.md`):", "",
              "| case | caches | plain torch.compile s | fusionpass s | added |", "|---|---|---|---|---|"]
     for r in topic["rows"]:
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['cache']} | error (see latest/trainer-compile-time.md) | | |")
+            lines.append(f"| {r['case']} | {r['cache']} | error (see latest/{topic_name}.md) | | |")
         elif r["cache"] in ("cold", "warm"):
             lines.append(f"| {r['case']} | {r['cache']} | {r['plain_s']} | {r['fusionpass_s']} | {r['added']:+.1%} |")
     return lines
