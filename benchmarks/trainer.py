@@ -314,7 +314,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--one", nargs=2, metavar=("WEIGHTS", "SIDE"), help="run one configuration in this process")
     p.add_argument("--json", help="with --one: where to write its result")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 60; 3 with --compile-time)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -329,6 +329,8 @@ def main(argv=None) -> int:
     p.add_argument("--breakdown", action="store_true",
                    help="with --compile-time (or --one): also time each Triton compile and Dynamo phase")
     args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 3 if args.compile_time else 60
     if args.one:
         result = run_one(*args.one, args.steps, args.batch, args.seq, args.smoke, args.device, args.breakdown)
         pathlib.Path(args.json).write_text(json.dumps(result))
