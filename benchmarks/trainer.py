@@ -52,16 +52,15 @@ class TritonCompileClock:
         import triton
 
         self.seconds: dict[str, float] = {}
-        self._compile = triton.compile
-        clock = self
+        compile_ = triton.compile
 
         def timed(src, *args, **kwargs):
             start = time.perf_counter()
             try:
-                return clock._compile(src, *args, **kwargs)
+                return compile_(src, *args, **kwargs)
             finally:
                 name = getattr(getattr(src, "fn", None), "__name__", None) or getattr(src, "name", None) or "?"
-                clock.seconds[name] = clock.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
         # every name it is called by: Inductor's `triton.compile`, a JIT function's binder's
         # `triton.compiler.compile` (bound at its first launch, after this)
@@ -156,6 +155,7 @@ def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bo
 
         matched = fusionpass.stats()
         pass_s = round(sum(STATISTICS.seconds.values()), 3)
+    phases = compile_phases()
     steps_ms = [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
     timed = steps_ms[len(steps_ms) // 5:] or steps_ms  # past the first fifth (allocator and autotune warm-up)
     return {
@@ -164,8 +164,8 @@ def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bo
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "first_step_s": round(marks[0] - start, 1) if marks else None,
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
-        "matched": matched, "pass_s": pass_s, "caches": compile_phases()["caches"],
-        **({"breakdown": {**compile_phases(), "triton": triton_clock.report()}} if breakdown else {}),
+        "matched": matched, "pass_s": pass_s, "caches": phases["caches"],
+        **({"breakdown": {**phases, "triton": triton_clock.report()}} if breakdown else {}),
     }
 
 
@@ -341,22 +341,7 @@ def main(argv=None) -> int:
     out_dir = pathlib.Path(args.out_dir)
     if args.compile_time:
         return compile_time_main(args, argv, suite, out_dir)
-    if args.rewrite:
-        runs = json.loads((out_dir / "trainer_runs.json").read_text())
-        env = json.loads((out_dir / "trainer.json").read_text())["environment"]
-    else:
-        sides = [s for s in SIDES if s != "liger" or _liger_installed()]
-        runs = []
-        for weights in args.weights.split(","):
-            for side in sides + (["plain"] if args.repeat_plain else []):
-                print(f"trainer: {weights} weights, {side}", flush=True)
-                runs.append(_spawn(weights, side, args))
-                print("  ", {k: v for k, v in runs[-1].items() if k != "losses"}, flush=True)
-        env = run_environment(suite, argv)
-        env["model"] = f"LlamaForCausalLM {SMOKE_MODEL if args.smoke else MODEL}, B{args.batch} S{args.seq}, AdamW"
-        env["steps"] = args.steps
-        (out_dir / "trainer_runs.json").parent.mkdir(parents=True, exist_ok=True)
-        (out_dir / "trainer_runs.json").write_text(json.dumps(runs, indent=1) + "\n")
+    runs, env = runs_and_environment(args, argv, suite, out_dir, "trainer", "trainer_runs.json", step_runs)
     rows = rows_of(runs)
     steps = env.get("steps", runs[0].get("steps") if runs else None)
     suite.write_topic(out_dir, "trainer", env, rows, COLUMNS, footer=(
@@ -368,17 +353,36 @@ def main(argv=None) -> int:
     return 0 if all("error" not in r for r in rows) else 1
 
 
-def compile_time_main(args, argv, suite, out_dir: pathlib.Path) -> int:
-    runs_path = out_dir / "trainer_compile_runs.json"
+def step_runs(args) -> list[dict]:
+    """One run per weight dtype and side (Liger where installed; plain twice with --repeat-plain)."""
+    sides = [s for s in SIDES if s != "liger" or _liger_installed()]
+    runs = []
+    for weights in args.weights.split(","):
+        for side in sides + (["plain"] if args.repeat_plain else []):
+            print(f"trainer: {weights} weights, {side}", flush=True)
+            runs.append(_spawn(weights, side, args))
+            print("  ", {k: v for k, v in runs[-1].items() if k != "losses"}, flush=True)
+    return runs
+
+
+def runs_and_environment(args, argv, suite, out_dir: pathlib.Path, topic: str, runs_name: str, measure):
+    """(runs, environment): measured by `measure(args)` and written to `runs_name`, or with --rewrite
+    read back from it and from the topic's JSON."""
+    runs_path = out_dir / runs_name
     if args.rewrite:
-        runs = json.loads(runs_path.read_text())
-        env = json.loads((out_dir / "trainer-compile-time.json").read_text())["environment"]
-    else:
-        runs = compile_time_runs(args)
-        env = run_environment(suite, argv)
-        env["model"] = f"LlamaForCausalLM {SMOKE_MODEL if args.smoke else MODEL}, B{args.batch} S{args.seq}, AdamW"
-        runs_path.parent.mkdir(parents=True, exist_ok=True)
-        runs_path.write_text(json.dumps(runs, indent=1) + "\n")
+        return json.loads(runs_path.read_text()), json.loads((out_dir / f"{topic}.json").read_text())["environment"]
+    runs = measure(args)
+    env = run_environment(suite, argv)
+    env["model"] = f"LlamaForCausalLM {SMOKE_MODEL if args.smoke else MODEL}, B{args.batch} S{args.seq}, AdamW"
+    env["steps"] = args.steps
+    runs_path.parent.mkdir(parents=True, exist_ok=True)
+    runs_path.write_text(json.dumps(runs, indent=1) + "\n")
+    return runs, env
+
+
+def compile_time_main(args, argv, suite, out_dir: pathlib.Path) -> int:
+    runs, env = runs_and_environment(args, argv, suite, out_dir, "trainer-compile-time", "trainer_compile_runs.json",
+                                     compile_time_runs)
     rows = compile_time_rows(runs)
     suite.write_topic(out_dir, "trainer-compile-time", env, rows, COMPILE_COLUMNS, extra=breakdown_lines(runs), footer=(
         "Generated by benchmarks/trainer.py --compile-time from trainer_compile_runs.json: each run is its own process; "
