@@ -13,7 +13,8 @@ On by default, where SDPA has no fast kernel for what the model computes:
   - SDPA with a causal mask AND key padding from the run-time attention_mask (what every HF data
     collator passes, all ones or not), over square scores (Lq == Lk, no cache): plain compile runs
     SDPA with the materialized [B, 1, L, L] mask there; the kernel reads a [B, Lk] key-padding
-    vector (`attention_causal_padding`, on by default; benchmarks/results/latest/flash_attention.md);
+    vector (`attention_causal_padding`, on by default up to head dim 128, `padding_cost`;
+    benchmarks/results/latest/flash_attention.md, benchmarks/results/kernel/collator_attention_routes.md);
   - SDPA with a causal mask AND the sequence segments of packed sequences (transformers' mask for
     position ids that restart at each sequence, `DataCollatorWithFlattening`: seg[b, q] ==
     seg[b, kv] with seg a cumsum over the row, so nondecreasing) over square scores: the kernel
@@ -435,18 +436,31 @@ def square_by_default(m: Match, cfg) -> str | None:
 EVERY_ROUTE = Switch("attention_kernel", "every SDPA route to the kernel")
 PADDING_HEAD_DIM = Range.always("head dim of an all-true mask with key padding", 64, 64)
 PADDING_DROPOUT = Range.always("attention dropout (%, rounded up) of an all-true mask with key padding", 0, 0)
+# The collator's causal route (causal_kernel_padded at the default settings): at head dim 256 our
+# kernel lost to plain compile's cuDNN-with-bias on all-ones and right-padded batches alike; at 64
+# and 128 it tied on all ones and won on padded batches
+# (benchmarks/results/kernel/collator_attention_routes.md). The cuDNN route (attention_cudnn_padding)
+# is not bound by it.
+CAUSAL_PADDING_HEAD_DIM = Range.always("head dim of a causal mask with key padding", None, 128)
 
 
 def padding_cost(m: Match, cfg) -> str | None:
-    """PADDING_HEAD_DIM and PADDING_DROPOUT for the all-true mask with key padding; unless
-    attention_kernel."""
-    if m.variant != "none_kernel_padded" or EVERY_ROUTE.on(cfg):
+    """PADDING_HEAD_DIM and PADDING_DROPOUT for the all-true mask with key padding,
+    CAUSAL_PADDING_HEAD_DIM for the causal one (q's head dim; MLA's padded v is opted into by
+    attention_mla, cuDNN's route by attention_cudnn_padding); unless attention_kernel."""
+    if m.variant not in ("none_kernel_padded", "causal_kernel_padded") or EVERY_ROUTE.on(cfg):
         return None
     q = g.tensor(m.bindings["args"]["query"])
     training = mode(bool(q.requires_grad))
-    # kernel_constants, checked before, made dropout_p a constant
-    why = PADDING_HEAD_DIM.check(g.static_int(q.shape[-1]), training, cfg) or PADDING_DROPOUT.check(
-        math.ceil(float(m.bindings["args"]["dropout_p"]) * 100), training, cfg)
+    if m.variant == "causal_kernel_padded":
+        mla = g.static_int(g.tensor(m.bindings["value"]).shape[-1]) != g.static_int(q.shape[-1])
+        if mla or cudnn_padding_route(m, cfg):
+            return None
+        why = CAUSAL_PADDING_HEAD_DIM.check(g.static_int(q.shape[-1]), training, cfg)
+    else:
+        # kernel_constants, checked before, made dropout_p a constant
+        why = PADDING_HEAD_DIM.check(g.static_int(q.shape[-1]), training, cfg) or PADDING_DROPOUT.check(
+            math.ceil(float(m.bindings["args"]["dropout_p"]) * 100), training, cfg)
     return None if why is None else f"{why}; attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1 selects it anyway"
 
 
@@ -531,7 +545,8 @@ FLASH_ATTENTION = registry.register(
         ),
         selected_when=(
             "eager-math attention and ALiBi-biased SDPA masks (our kernel instead of S x S tensors); "
-            "causal masks with run-time key padding over square scores unless attention_causal_padding=False; "
+            "causal masks with run-time key padding over square scores up to head dim 128 (padding_cost) unless "
+            "attention_causal_padding=False; "
             "sliding windows and bands over square scores unless attention_sliding_window=False; "
             "causal masks of packed sequences (sequence segments from position ids) over square scores unless "
             "attention_packed=False; "
@@ -540,7 +555,7 @@ FLASH_ATTENTION = registry.register(
             "v's head dim under q's (MLA) only with attention_mla=True; "
             "fp16/bf16 on CUDA (fp32 is a near miss there, kernel_dtypes)"
         ),
-        cost=(EVERY_ROUTE, PADDING_HEAD_DIM, PADDING_DROPOUT),
+        cost=(EVERY_ROUTE, PADDING_HEAD_DIM, PADDING_DROPOUT, CAUSAL_PADDING_HEAD_DIM),
         anchor=lambda node: sdpa.has_mask_node(node) or eager.is_anchor(node),
         variants=(
             Variant("eager_kernel", _only(_eager_search, "eager_kernel")),

@@ -140,16 +140,20 @@ def test_padding_over_more_keys_than_queries_is_opt_in(monkeypatch, fn, _, __, w
     torch.testing.assert_close(out, module(*args))
 
 
-@pytest.mark.parametrize("head_dim,dropout,train,why", [
-    (128, 0.0, False, "cost: head dim of an all-true mask with key padding 128 outside 64..64"),
-    (64, 0.1, True, "cost: attention dropout (%, rounded up) of an all-true mask with key padding 10 outside 0..0"),
-    (64, 0.001, True, "cost: attention dropout (%, rounded up) of an all-true mask with key padding 1 outside 0..0"),
-], ids=["head_dim_128", "dropout_0.1", "dropout_0.001"])
-def test_padding_cost_rules(monkeypatch, head_dim, dropout, train, why):
+@pytest.mark.parametrize("fn,head_dim,dropout,train,why", [
+    ("bidirectional", 128, 0.0, False, "cost: head dim of an all-true mask with key padding 128 outside 64..64"),
+    ("bidirectional", 64, 0.1, True,
+     "cost: attention dropout (%, rounded up) of an all-true mask with key padding 10 outside 0..0"),
+    ("bidirectional", 64, 0.001, True,
+     "cost: attention dropout (%, rounded up) of an all-true mask with key padding 1 outside 0..0"),
+    ("causal", 256, 0.0, True, "cost: head dim of a causal mask with key padding 256 > 128"),
+], ids=["head_dim_128", "dropout_0.1", "dropout_0.001", "causal_head_dim_256"])
+def test_padding_cost_rules(monkeypatch, fn, head_dim, dropout, train, why):
     # attention_padding by default only where an all-ones batch measured faster too (head dim 64,
-    # no attention dropout): elsewhere a near miss naming the rule; attention_kernel takes it anyway
+    # no attention dropout), attention_causal_padding only up to head dim 128: elsewhere a near
+    # miss naming the rule; attention_kernel takes it anyway
     monkeypatch.delenv("FUSIONPASS_ATTENTION_KERNEL")
-    module = Attention("bidirectional", dropout=dropout).train(train)
+    module = Attention(fn, dropout=dropout).train(train)
     q, k, v = (torch.randn(B, H, S, head_dim, requires_grad=train) for _ in range(3))
     args = (q, k, v, attention_mask("right", batch=B, length=S))
     _, _, record = fused_graph(module, *args, fusions=ATTENTION)
@@ -159,7 +163,16 @@ def test_padding_cost_rules(monkeypatch, head_dim, dropout, train, why):
     assert reason.endswith("attention_kernel=True / FUSIONPASS_ATTENTION_KERNEL=1 selects it anyway")
     monkeypatch.setenv("FUSIONPASS_ATTENTION_KERNEL", "1")
     _, _, record = fused_graph(module, *args, fusions=ATTENTION)
-    assert record.matches == counts(none_kernel_padded=1)
+    assert record.matches == counts(**{f"{'none' if fn == 'bidirectional' else 'causal'}_kernel_padded": 1})
+
+
+def test_causal_padding_cost_rule_keeps_head_dim_128(monkeypatch):
+    # the causal rule's bound is inclusive: head dim 128 stays on the kernel by default
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_KERNEL")
+    module = Attention("causal").eval()
+    q, k, v = (torch.randn(B, H, S, 128) for _ in range(3))
+    _, _, record = fused_graph(module, q, k, v, attention_mask("right", batch=B, length=S), fusions=ATTENTION)
+    assert record.matches == counts(causal_kernel_padded=1)
 
 
 @pytest.mark.parametrize("padding_kind", [None, "right", "left"])
