@@ -36,18 +36,9 @@ class Autocast(nn.Module):
 
 
 # Twins whose fusion does not match under autocast yet, by the bf16 case's name up to its dtype:
-# the near miss the first GPU run of the twins reported (2026-12-05) and what matches instead, so
-# that each twin is checked as a fallback (correct, and the near miss named) until its fusion takes
-# the autocast form. Under autocast HF's eager attention casts its fp32 probabilities to bf16 for
-# the product with v, and Falcon's fp32 ALiBi mask is cast to bf16 for SDPA; neither form is
-# matched yet (a fix is on the branch wip/autocast-eager-attention, unverified).
-_EAGER_PROBS = "softmax(scores) @ values in a form this fusion has no rewrite for"
-GAPS = {
-    "flash_attention/alibi_mask_kernel/falcon-sdpa": ("attention mask of dtype torch.bfloat16", {}),
-    "attention_out_proj/transpose_reshape/llama-eager": (_EAGER_PROBS, {"rope": 2}),
-    "rope_attention/graph_rotation/llama-eager": (_EAGER_PROBS, {}),
-    "rope_attention/rope_kernel/llama-eager": (_EAGER_PROBS, {"rope": 2}),
-}
+# the near miss and what matches instead, so that each twin is checked as a fallback (correct, and
+# the near miss named) until its fusion takes the autocast form. None now.
+GAPS: dict[str, tuple[str, dict]] = {}
 
 
 def twin(case: Case) -> Case:

@@ -141,6 +141,21 @@ def _through_casts(e: "Eager", node: fx.Node, user: fx.Node) -> tuple[fx.Node, f
     return user, node
 
 
+def _probs_rounding(dtypes: list) -> str | None:
+    """Why the probabilities' dtypes, from the softmax to the product with v, are not what the
+    kernel computes: P in fp32, rounded once to the product's dtype (bf16 P @ bf16 v; under autocast
+    `softmax(.., dtype=float32).to(float32)`, dropout, then autocast's `.to(bf16)`). A model whose
+    softmax is already in the product's dtype (GPT-2) rounds no differently; a detour through
+    another dtype (fp32 -> fp16 -> bf16) rounds twice, not reproduced."""
+    wide = 0
+    while wide < len(dtypes) and dtypes[wide] == torch.float32:
+        wide += 1
+    if all(d == dtypes[-1] for d in dtypes[wide:]):
+        return None
+    return (f"attention probabilities cast {' -> '.join(str(d) for d in dtypes)}: not rounded once from fp32 to "
+            f"{dtypes[-1]} as the kernel does")
+
+
 def _scale_of(node: fx.Node) -> tuple[fx.Node, float] | None:
     """(scores, c) for `scores * c`, `c * scores` or `scores / c` with a constant c (a literal or a
     `torch.full([], c)`), else None."""
@@ -232,6 +247,9 @@ class BiasedMask:
     visible: fx.Node  # the boolean mask under it, True = attend
     nodes: list[fx.Node]  # the mask's own nodes (not the bias's), for erasing
     fill: float
+    # the dtype a cast of the whole mask rounds it to before SDPA reads it (autocast's `.to(bf16)`
+    # of an fp32 mask): the kernel reads the bias cast the same way; None where read as built
+    dtype: torch.dtype | None = None
 
 
 def _additive_fill(node: fx.Node) -> float | None:
@@ -338,8 +356,11 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
     if len(_shape(probs) or ()) != 4 or len(_shape(v) or ()) != 4:
         return None
 
-    # dropout (active or not), then casts, then the softmax
+    # casts (autocast's `.to(bf16)` of the fp32 probabilities for the product), dropout (active or
+    # not), casts, then the softmax
     node, user = probs, e.nodes[-1]
+    first = len(e.nodes)
+    user, node = _through_casts(e, node, user)
     d = dp.dropout_of(node)
     if d is not None:
         _single_use(node, user)
@@ -357,6 +378,9 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
         return None
     _single_use(node, user)
     e.nodes.append(node)
+    why = _probs_rounding([g.dtype(n) for n in reversed(e.nodes[first:])])
+    if why is not None:
+        raise NearMiss(why)
     user, node = node, g.first_arg(node)
 
     # casts of the scores (MPT's `.float()`), then the mask (added, or a masked_fill) and a per-key

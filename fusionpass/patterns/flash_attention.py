@@ -154,14 +154,14 @@ def _alibi_mask_search(node: fx.Node) -> Match | None:
     mask = args["attn_mask"]
     if not isinstance(mask, fx.Node) or args["is_causal"] is not False or not eager._float_node(mask):
         return None
-    found = eager.biased_mask(mask)
+    found = _biased_mask_read_by_sdpa(mask)
     if found is None:
         return None
     q = args["query"]
     why = eager.per_key_problem(found.bias, q, args["key"])
     if why is not None:
         raise NearMiss(f"SDPA mask with a bias: {why}")
-    dtypes = {g.dtype(n) for n in (q, mask, found.bias)}
+    dtypes = {g.dtype(q), g.dtype(mask), found.dtype or g.dtype(found.bias)}
     if len(dtypes) != 1:
         raise NearMiss(f"SDPA mask with a bias: query, mask and bias dtypes {sorted(map(str, dtypes))} differ")
     mk = masks.classify(found.visible)
@@ -183,8 +183,28 @@ def _alibi_mask_search(node: fx.Node) -> Match | None:
         nodes=[node],
         bindings=dict(args=args, mask=found.visible, mask_nodes=[*found.nodes, *mk.nodes], kind=mk.kind,
                       key=key, value=value, key_padding=key_padding, shift=mk.shift, window=mk.window,
-                      key_bias=found.bias, empty_rows=bool(mk.runtime)),
+                      key_bias=found.bias, key_bias_dtype=found.dtype, empty_rows=bool(mk.runtime)),
     )
+
+
+def _biased_mask_read_by_sdpa(mask: fx.Node) -> eager.BiasedMask | None:
+    """eager.biased_mask of SDPA's float mask, also through a cast of the whole mask (autocast's
+    `.to(bf16)` of Falcon's fp32 mask in front of SDPA). A cast rounds each element on its own, so
+    SDPA reads the bias rounded where the boolean mask is true (the kernel reads the bias cast the
+    same way: `dtype`) and the fill rounded elsewhere (fp32's min is -inf in bf16): exact."""
+    found = eager.biased_mask(mask)
+    src = g.cast_source(mask)
+    if found is not None or not isinstance(src, fx.Node):
+        return found
+    found = eager.biased_mask(src)
+    if found is None:
+        return None
+    dtype = g.dtype(mask)
+    fill = torch.tensor(found.fill, dtype=g.dtype(src)).to(dtype).item()
+    if fill > eager._MASK_FILL_MAX:
+        raise NearMiss(f"SDPA mask with a bias, cast to {dtype}: its fill {found.fill:g} becomes {fill:g}, not "
+                       "negative enough to drive exp() to 0")
+    return dataclasses.replace(found, nodes=[mask, *found.nodes], fill=fill, dtype=dtype)
 
 
 def _padding_rows_reproducible(found, mk: masks.MaskKind, args: dict) -> None:
@@ -194,7 +214,8 @@ def _padding_rows_reproducible(found, mk: masks.MaskKind, args: dict) -> None:
     fill absorbs the scores (fp32/bf16's min, not fp16's -65504) and the rows that see no key
     are known: causal top-left with Lq == Lk (row i: no kept key <= i) or no causal bound (no
     kept key at all)."""
-    if found.fill > eager.ABSORBING_FILL:
+    if found.fill > eager.ABSORBING_FILL or not math.isfinite(found.fill):
+        # an infinite fill (fp32's min cast to bf16) makes such a row's softmax NaN in SDPA
         raise NearMiss(
             f"SDPA mask with a bias and run-time key padding, fill {found.fill:g}: a query row that sees no "
             "key gets softmax(scores + fill) from SDPA, not reproducible by the kernel"
@@ -325,6 +346,9 @@ def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
         key_bias = eager.insert_key_bias(graph, e, q, node)
     elif b.get("key_bias") is not None:
         key_bias = eager.insert_per_key(graph, b["key_bias"], node)
+        if b.get("key_bias_dtype") is not None:
+            # the bias rounded as SDPA read it, from a cast of the whole mask (_biased_mask_read_by_sdpa)
+            key_bias = g.insert_call(graph, node, torch.Tensor.to, (key_bias, b["key_bias_dtype"]), node)
     else:
         key_bias = None
     # kernel_constants: a shift other than 0 is Lk - Lq (bottom-right), or a band's over square scores

@@ -20,9 +20,9 @@ the backward kernels and rotates dq back, which is what the unfused graph's rope
 training the bytes saved in the forward are spent again there (see the cost rule).
 
 Near misses: a rotated q read by anything besides the attention (its value would have to be
-written anyway), a cast that changes the dtype between the rotation and the attention (the kernel
-would rotate in the attention dtype, the model rounds to its own first), cos/sin that require grad
-or do not broadcast over q.
+written anyway), a cast that changes the dtype between the rotation and the attention other than
+autocast's one rounding of an fp32 rotation of a 16-bit q (the kernel rotates in fp32 and rounds
+once to the attention dtype), cos/sin that require grad or do not broadcast over q.
 """
 from __future__ import annotations
 
@@ -77,15 +77,25 @@ def _walk(q: fx.Node) -> tuple[fx.Node, list[fx.Node], bool]:
             return node, chain, permuted
 
 
-def _query_chain(q: fx.Node) -> tuple[fx.Node, list[fx.Node], bool]:
-    """`_walk`, with NearMiss where a cast changes the dtype."""
+_ROUNDED_TO = (torch.float16, torch.bfloat16)
+
+
+def _query_chain(q: fx.Node) -> tuple[fx.Node, list[fx.Node], bool, bool]:
+    """`_walk`, and whether the rotated q is rounded once from fp32 to a 16-bit dtype on the way
+    (under autocast a bf16 q rotated by fp32 cos/sin is fp32, and the attention's `.to(bf16)`
+    rounds it: what the kernel does as it loads q, see `dtypes_agree`). NearMiss for any other cast
+    that changes the dtype."""
     rotated, chain, permuted = _walk(q)
+    rounded = False
     for node in chain:
         src = g.cast_source(node)
-        if src is not None and g.dtype(src) != g.dtype(node):
+        if src is None or g.dtype(src) == g.dtype(node):
+            continue
+        if rounded or g.dtype(src) != torch.float32 or g.dtype(node) not in _ROUNDED_TO:
             raise NearMiss(f"q is cast from {g.dtype(src)} to {g.dtype(node)} between the rotation and the "
                            "attention (the model rounds the rotated q to its own dtype first)")
-    return rotated, chain, permuted
+        rounded = True
+    return rotated, chain, permuted, rounded
 
 
 def _rope_call(rotated) -> fx.Node | None:
@@ -117,24 +127,24 @@ def _graph_rotation(rotated: fx.Node):
 
 
 def _search_graph_rotation(call: fx.Node) -> Match | None:
-    rotated, chain, permuted = _query_chain(call.args[0])
+    rotated, chain, permuted, rounded = _query_chain(call.args[0])
     found = _graph_rotation(rotated)
     if found is None:
         return None
-    bindings = dict(found, rotated=rotated, chain=chain, permuted=permuted, rope_call=None)
+    bindings = dict(found, rotated=rotated, chain=chain, permuted=permuted, rounded=rounded, rope_call=None)
     bindings["rotation_nodes"] = found["nodes"]
     return Match("graph_rotation", call, [*found["nodes"], *chain], bindings)
 
 
 def _search_rope_call(call: fx.Node) -> Match | None:
-    rotated, chain, permuted = _query_chain(call.args[0])
+    rotated, chain, permuted, rounded = _query_chain(call.args[0])
     rope_call = _rope_call(rotated)
     if rope_call is None:
         return None
     a = rope_patterns.rope_call_args(rope_call)
     x = a["q"] if rotated.args[1] == 0 else a["k"]
     bindings = dict(x=x, cos=a["cos"], sin=a["sin"], form=a["form"], rotary_dim=a["rotary_dim"], rotated=rotated, chain=chain,
-                    permuted=permuted, rope_call=rope_call, partial=False)
+                    permuted=permuted, rounded=rounded, rope_call=rope_call, partial=False)
     return Match("rope_kernel", call, [rotated, *chain], bindings)
 
 
@@ -160,10 +170,15 @@ def rotated_q_private(m: Match, cfg) -> str | None:
 
 
 def dtypes_agree(m: Match, cfg) -> str | None:
+    """q, its rotation and the attention in one dtype; or (autocast) a 16-bit q rotated in fp32 by
+    fp32 cos/sin and rounded once to q's dtype before the attention, which is what the kernel's
+    rotation on load computes (fp32 math, one rounding to the attention dtype)."""
     b = m.bindings
-    dtype = g.dtype(b["x"])
-    if dtype != g.dtype(b["rotated"]) or dtype != g.dtype(m.anchor.args[0]):
-        return f"the rotation changes the dtype ({dtype} to {g.dtype(b['rotated'])}): mixed-dtype math"
+    dtype, rotated = g.dtype(b["x"]), g.dtype(b["rotated"])
+    if dtype != g.dtype(m.anchor.args[0]):
+        return f"q's dtype {dtype} is not the attention's {g.dtype(m.anchor.args[0])}"
+    if rotated != dtype and not (b["rounded"] and rotated == torch.float32):
+        return f"the rotation changes the dtype ({dtype} to {rotated}): mixed-dtype math"
     for name in ("cos", "sin"):
         d = g.dtype(b[name])
         if d not in (dtype, torch.float32):
@@ -275,7 +290,8 @@ ROPE_ATTENTION = registry.register(
         options=Options,
         matches=(
             "a fusionpass::flash_attention call whose q is rotated (HF rotate_half, GPT-J interleaved, partial "
-            "rotary, or fusionpass::rope's q), also through a heads/tokens permute and same-dtype casts -> the "
+            "rotary, or fusionpass::rope's q), also through a heads/tokens permute, same-dtype casts and autocast's "
+            "rounding of an fp32 rotation of a 16-bit q -> the "
             "kernel rotates q as it loads it; the rotated q is never written"
         ),
         selected_when=(

@@ -166,3 +166,19 @@ def test_dtype_changing_cast_is_a_near_miss():
     assert record.matches == {("rope_attention", "graph_rotation"): LAYERS - 1}
     ((_, _, reason),) = record.near_misses
     assert "q is cast from torch.float32 to torch.float64" in reason
+
+
+def test_autocast_rounding_of_an_fp32_rotation_matches():
+    # bf16 autocast over fp32 weights (Trainer(bf16=True)): q leaves q_proj in bf16, the fp32 cos/sin
+    # rotate it in fp32, and the attention's cast rounds it to bf16 once, which is what the
+    # kernel's rotation on load computes: the rotation moves into the kernel
+    from fusionpass.conformance.cases_autocast import Autocast
+
+    model = Autocast(build("llama")).eval()
+    x = ids()
+    got, stats = compile_and_count(model, x, fusions=FUSIONS, kwargs={"use_cache": False})
+    assert stats == {("flash_attention", "eager_kernel"): LAYERS, ("rope_attention", "graph_rotation"): LAYERS}
+    with compiling():
+        want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), False,
+                   kwargs={"use_cache": False})
+    assert_outcomes_close(got, want, dtype=torch.bfloat16)
