@@ -29,6 +29,11 @@ per query head, fp32, read in the kernel; no bias tensor exists.
 Key padding also cuts kv_lengths to one past each row's last kept key (`_last_kept_key`): the
 visible keys are the same, and the key blocks after a right-padded row's end are never visited.
 
+`skip_batches` [B] bool: the batch rows another kernel computes (fusionpass::padded_attention's
+cuDNN rows). Their programs return before reading or writing anything, so the caller passes that
+kernel's outputs as ours and this one fills in only its own rows. It travels as a negative
+kv_lengths entry (user kv_lengths are clamped at 0), so it adds no pointer and no specialization.
+
 A query row that sees no key at all (all keys padded, kv_lengths 0, or a bottom-right row with
 pos_i < 0) gets out = 0 and lse = EMPTY_LSE = 1e30: finite, and large enough that exp(s - lse)
 underflows to 0 for any score, so the backward gives such rows zero gradients even where it did
@@ -478,6 +483,9 @@ def _fwd_kernel(
     bh = pid // num_m
     b = bh // Hq
     h = bh % Hq
+    if HAS_KVLEN:
+        if tl.load(KVLEN + b) < 0:  # a batch row another kernel computes (skip_batches)
+            return
     hk = h // GROUP
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -545,8 +553,8 @@ def _fwd_kernel(
 # Backward
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _bwd_pre_kernel(O, DO, DELTA, QEND, sob, soh, som, sod, sdob, sdoh, sdom, sdod, Hq, Lq, num_m,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _bwd_pre_kernel(O, DO, DELTA, QEND, KVLEN, sob, soh, som, sod, sdob, sdoh, sdom, sdod, Hq, Lq, num_m,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_KVLEN: tl.constexpr):
     # delta[b, h, i] = sum_d dout * out (fp32); q_end[b, h] = one past the last row whose dout is
     # not all zero (NaN counts as not zero), by an atomic max over the row blocks (`_live_rows`)
     pid = tl.program_id(0)
@@ -554,6 +562,9 @@ def _bwd_pre_kernel(O, DO, DELTA, QEND, sob, soh, som, sod, sdob, sdoh, sdom, sd
     bh = pid // num_m
     b = (bh // Hq).to(tl.int64)
     h = (bh % Hq).to(tl.int64)
+    if HAS_KVLEN:
+        if tl.load(KVLEN + b) < 0:  # a batch row another kernel computes (skip_batches)
+            return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m < Lq)[:, None] & (offs_d < D)[None, :]
@@ -640,6 +651,9 @@ def _bwd_dkdv_kernel(
     bhk = pid // num_n
     b = bhk // Hkv
     hk = bhk % Hkv
+    if HAS_KVLEN:
+        if tl.load(KVLEN + b) < 0:  # a batch row another kernel computes (skip_batches)
+            return
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -762,6 +776,9 @@ def _bwd_dq_kernel(
     bh = pid // num_m
     b = bh // Hq
     h = bh % Hq
+    if HAS_KVLEN:
+        if tl.load(KVLEN + b) < 0:  # a batch row another kernel computes (skip_batches)
+            return
     hk = h // GROUP
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -856,7 +873,7 @@ def check_qkv(q, k, v, head_dims=HEAD_DIMS, value_dims=None) -> tuple[int, int, 
 
 
 def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias, kv_lengths,
-             dropout_p, seed, offset, align, diagonal=0, segments=None) -> _Opts:
+             dropout_p, seed, offset, align, diagonal=0, segments=None, skip_batches=None) -> _Opts:
     B, Hq, Hkv, Lq, Lk, D = check_qkv(q, k, v)
     dev = q.device
     o = _Opts()
@@ -895,9 +912,15 @@ def _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_
         if (kv_lengths.shape != (B,) or kv_lengths.dtype not in (torch.int32, torch.int64)
                 or kv_lengths.device != dev):
             raise ValueError(f"kv_lengths must be an int32 tensor of shape [{B}] on the inputs' device")
-        kv_lengths = kv_lengths.to(torch.int32).contiguous()
+        # (a negative entry is skip_batches' mark: a user's means no key, as before)
+        kv_lengths = kv_lengths.to(torch.int32).clamp(min=0)
     if key_padding is not None and Lk > 0:
         kv_lengths = _last_kept_key(key_padding, kv_lengths)
+    if skip_batches is not None:
+        if skip_batches.shape != (B,) or skip_batches.dtype != torch.bool or skip_batches.device != dev:
+            raise ValueError(f"skip_batches must be a bool tensor of shape [{B}] on the inputs' device")
+        kept = torch.full((B,), Lk, dtype=torch.int32, device=dev) if kv_lengths is None else kv_lengths
+        kv_lengths = torch.where(skip_batches, -1, kept).to(torch.int32)
     o.kvlen = kv_lengths
     o.seg = _segments(segments, B, Lq, Lk, dev)
     o.rng = _rng16_args(dropout_p, seed, offset, dev)
@@ -1002,6 +1025,8 @@ def attention_fwd(
     diagonal: int = 0,
     segments: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    skip_batches: torch.Tensor | None = None,
     rope: tuple | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -1026,6 +1051,9 @@ def attention_fwd(
     out: [B, Hq, Lq, D] in q's dtype, contiguous, or written into `out` (any [B, Hq, Lq, D] view of
     q's dtype, e.g. a transpose of a [B, Lq, Hq, D] buffer). lse: [B, Hq, Lq] fp32, natural log of
     the softmax denominator of the scaled, biased scores; EMPTY_LSE for rows that see no key.
+    `lse`: a [B, Hq, Lq] fp32 contiguous tensor to write lse into. `skip_batches` [B] bool: the batch
+    rows another kernel computes; nothing of theirs is read or written, so `out` and `lse` (given
+    with it) keep that kernel's values there (fusionpass::padded_attention).
     rope: (cos, sin, form, rotary_dim): q is rotated as it is loaded (`_rope_q`; the rotated q is
     never written), `q * cos + rot(q) * sin` of fusionpass.kernels.rope with form "rotate_half" or
     "interleaved"; cos/sin 4-d, last dim rotary_dim, broadcastable to [B, Hq, Lq, rotary_dim].
@@ -1033,13 +1061,18 @@ def attention_fwd(
     depend on them beyond fp32 summation order.
     """
     o = _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias,
-                 kv_lengths, dropout_p, seed, offset, align, diagonal, segments)
+                 kv_lengths, dropout_p, seed, offset, align, diagonal, segments, skip_batches)
     B, Hq, Lq, D = o.B, o.Hq, o.Lq, o.D
+    if skip_batches is not None and (out is None or lse is None):
+        raise ValueError("skip_batches needs out and lse: the skipped rows keep what they hold")
     if out is None:
         out = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} on q's device")
-    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    if lse is None:
+        lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    elif lse.shape != (B, Hq, Lq) or lse.dtype != torch.float32 or lse.device != q.device or not lse.is_contiguous():
+        raise ValueError(f"lse must be a contiguous float32 tensor of shape [{B}, {Hq}, {Lq}] on q's device")
     if B * Hq * Lq == 0:
         return out, lse
     padded = triton.next_power_of_2(D)
@@ -1086,6 +1119,8 @@ def attention_bwd(
     align: str = "top_left",
     diagonal: int = 0,
     segments: torch.Tensor | None = None,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    skip_batches: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -1100,9 +1135,11 @@ def attention_bwd(
     are dense, with their strides. block_m/block_n/num_warps/num_stages: the dK/dV kernel (block_n
     keys per program, block_m query rows per step; defaults _DKDV_CFG); dq_*: the dQ kernel
     (dq_block_m query rows per program, dq_block_n keys per step; defaults _DQ_CFG).
+    `grads`: (dq, dk, dv) tensors shaped as q, k, v to write into; with `skip_batches` (as
+    attention_fwd's) they keep another kernel's gradients in the skipped batch rows.
     """
     o = _options(q, k, v, causal, scale, window, alibi_slopes, alibi_symmetric, key_padding, key_bias,
-                 kv_lengths, dropout_p, seed, offset, align, diagonal, segments)
+                 kv_lengths, dropout_p, seed, offset, align, diagonal, segments, skip_batches)
     B, Hq, Hkv, Lq, Lk, D = o.B, o.Hq, o.Hkv, o.Lq, o.Lk, o.D
     for t, name in ((do, "do"), (out, "out")):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
@@ -1110,10 +1147,16 @@ def attention_bwd(
     if lse.shape != (B, Hq, Lq) or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(f"lse must be a float32 tensor of shape [{B}, {Hq}, {Lq}] on q's device")
     lse = lse.contiguous()
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    if grads is None:
+        if skip_batches is not None:
+            raise ValueError("skip_batches needs grads: the skipped rows keep what they hold")
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    elif any(g.shape != t.shape or g.dtype != t.dtype or g.device != t.device for g, t in zip(grads, (q, k, v))):
+        raise ValueError("grads must be three tensors shaped as q, k and v, in their dtype and device")
+    dq, dk, dv = grads
     if B * Hq * Lq == 0 or Lk == 0:
+        if skip_batches is not None:
+            return dq, dk, dv
         return dq.zero_(), dk.zero_(), dv.zero_()
     pad_d = triton.next_power_of_2(D)
     flags = _flags(o)
@@ -1125,8 +1168,8 @@ def attention_bwd(
     with _device_guard(q.device):
         num_m = triton.cdiv(Lq, _PRE_BLOCK_M)
         launcher(_bwd_pre_kernel, q)[(num_m * B * Hq,)](
-            out, do, delta, q_end, *out.stride(), *do.stride(), Hq, Lq, num_m,
-            D=D, BLOCK_D=pad_d, BLOCK_M=_PRE_BLOCK_M, num_warps=4)
+            out, do, delta, q_end, ptrs[3], *out.stride(), *do.stride(), Hq, Lq, num_m,
+            D=D, BLOCK_D=pad_d, BLOCK_M=_PRE_BLOCK_M, HAS_KVLEN=flags["HAS_KVLEN"], num_warps=4)
 
         bm, bn, warps, stages = (_DKDV_CFG if o.causal else _DKDV_CFG | _BIDIRECTIONAL_DKDV_CFG)[pad_d]
         bm = _block(block_m, bm, "block_m")

@@ -12,10 +12,10 @@ EMPTY_LSE). How:
 - cuDNN (fusionpass.kernels.cudnn_attention) computes every row with key lengths n_b for prefix
   rows and L for the others (whose result is not used; no row of length 0 reaches cuDNN, which
   returns NaN there before 9.25);
-- our kernel computes the other rows (left padding, holes, empty rows) with the key padding, and
-  for prefix rows reads no key at all (its kv_lengths 0 there);
-- each row's out and lse, and in the backward each batch's dq, dk and dv, are taken from the one
-  that computed it.
+- our kernel computes the other rows (left padding, holes, empty rows) with the key padding,
+  writing them into cuDNN's out and lse (in the backward its dq, dk and dv); its programs of
+  prefix rows return before reading or writing anything (`skip_batches`), so a batch of prefix
+  rows costs cuDNN's time and one launch that does nothing.
 No host sync, no shape that depends on data. The backward runs both the same way, each with the
 out and lse of the forward.
 
@@ -42,12 +42,9 @@ def prefix_rows(key_padding: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _lengths(key_padding: Tensor):
-    """(cuDNN's key lengths, our kernel's kv_lengths, prefix): cuDNN takes L for the rows it does
-    not serve, our kernel 0 for the rows it does not serve."""
+    """(cuDNN's key lengths, prefix): cuDNN takes L for the rows it does not serve."""
     n, prefix = prefix_rows(key_padding)
-    L = key_padding.shape[-1]
-    full = torch.full_like(n, L)
-    return torch.where(prefix, n, full), torch.where(prefix, torch.zeros_like(n), full), prefix
+    return torch.where(prefix, n, torch.full_like(n, key_padding.shape[-1])), prefix
 
 
 # cuDNN's refusals, by (direction, shape, dtype): where it builds no plan (a head dim or a GQA
@@ -115,28 +112,34 @@ def _ours_on_torch(q) -> bool:
     return q.device.type != "cuda" and not host.interpreting()
 
 
-def _kernel_forward(q, k, v, key_padding, kv_lengths, scale, causal):
-    """Our kernel on the rows kv_lengths leaves it (None: every row)."""
+def _kernel_forward(q, k, v, key_padding, scale, causal, library=None, prefix=None):
+    """Our kernel on every row, or on the rows that are not prefix rows, written into `library`
+    (cuDNN's out and lse), whose prefix rows it neither reads nor writes (`skip_batches`)."""
     if _ours_on_torch(q):
         from fusionpass.ops.flash_attention import _reference
 
-        mask = key_padding if kv_lengths is None else key_padding & _prefix_mask(kv_lengths, k.shape[2])
-        return _reference(q, k, v, mask, None, scale, causal, 0, False, 0, 0.0, None)
+        ours = _reference(q, k, v, key_padding, None, scale, causal, 0, False, 0, 0.0, None)
+        return ours if library is None else tuple(_by_row(prefix, a, b) for a, b in zip(library, ours))
     from fusionpass.kernels.attention import attention_fwd
 
-    return attention_fwd(q, k, v, causal=causal, scale=scale, key_padding=key_padding, kv_lengths=kv_lengths)
+    if library is None:
+        return attention_fwd(q, k, v, causal=causal, scale=scale, key_padding=key_padding)
+    return attention_fwd(q, k, v, causal=causal, scale=scale, key_padding=key_padding, out=library[0],
+                         lse=library[1], skip_batches=prefix)
 
 
-def _kernel_backward(do, q, k, v, out, lse, key_padding, kv_lengths, scale, causal):
+def _kernel_backward(do, q, k, v, out, lse, key_padding, scale, causal, library=None, prefix=None):
+    """`_kernel_forward`'s backward: dq, dk, dv of every row, or of the rows that are not prefix
+    rows, written into `library` (cuDNN's dq, dk, dv)."""
     if _ours_on_torch(q):
         from fusionpass.ops.flash_attention import _reference_backward
 
-        mask = key_padding if kv_lengths is None else key_padding & _prefix_mask(kv_lengths, k.shape[2])
-        return _reference_backward(do, q, k, v, out, lse, mask, None, scale, causal, 0, False, 0, 0.0, None)
+        ours = _reference_backward(do, q, k, v, out, lse, key_padding, None, scale, causal, 0, False, 0, 0.0, None)
+        return ours if library is None else tuple(_by_row(prefix, a, b) for a, b in zip(library, ours))
     from fusionpass.kernels.attention import attention_bwd
 
     return attention_bwd(do, q, k, v, out, lse, causal=causal, scale=scale, key_padding=key_padding,
-                         kv_lengths=kv_lengths)
+                         grads=library, skip_batches=None if library is None else prefix)
 
 
 def _by_row(prefix: Tensor, library: Tensor, ours: Tensor) -> Tensor:
@@ -150,12 +153,10 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor, *, sc
         raise ValueError("padded_attention takes fp16/bf16 q, k, v and a bool key_padding")
     if q.shape[2] != k.shape[2] or key_padding.shape != (q.shape[0], k.shape[2]):
         raise ValueError("padded_attention takes square scores and a [B, L] key_padding")
-    seq_kv, kv_lengths, prefix = _lengths(key_padding)
+    seq_kv, prefix = _lengths(key_padding)
     library = _try_library("forward", lambda: _library_forward(q, k, v, seq_kv, scale, causal), q, k)
-    if library is None:
-        return _kernel_forward(q, k, v, key_padding, None, scale, causal)
-    out_k, lse_k = _kernel_forward(q, k, v, key_padding, kv_lengths, scale, causal)
-    return _by_row(prefix, library[0], out_k).contiguous(), _by_row(prefix, library[1], lse_k).contiguous()
+    out, lse = _kernel_forward(q, k, v, key_padding, scale, causal, library, prefix)
+    return out.contiguous(), lse.contiguous()
 
 
 @padded_attention.register_fake
@@ -167,14 +168,12 @@ def _(q, k, v, key_padding, *, scale, causal=False):
 def padded_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                               key_padding: Tensor, *, scale: float,
                               causal: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    seq_kv, kv_lengths, prefix = _lengths(key_padding)
+    seq_kv, prefix = _lengths(key_padding)
     # (our kernel's backward takes any correct forward's out and lse, cuDNN's rows included)
     library = None if _refusal_key("forward", q, k) in _REFUSED else _try_library(
         "backward", lambda: _library_backward(do, q, k, v, out, lse, seq_kv, scale, causal), q, k)
-    if library is None:
-        return tuple(t.contiguous() for t in _kernel_backward(do, q, k, v, out, lse, key_padding, None, scale, causal))
-    grads_k = _kernel_backward(do, q, k, v, out, lse, key_padding, kv_lengths, scale, causal)
-    return tuple(_by_row(prefix, a, b).contiguous() for a, b in zip(library, grads_k))
+    grads = _kernel_backward(do, q, k, v, out, lse, key_padding, scale, causal, library, prefix)
+    return tuple(t.contiguous() for t in grads)
 
 
 @padded_attention_backward.register_fake

@@ -397,6 +397,48 @@ def test_keys_past_the_last_kept_key_are_not_read(causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_skipped_batches_are_neither_read_nor_written(causal):
+    # skip_batches (fusionpass::padded_attention's cuDNN rows): the skipped batch rows of out, lse,
+    # dq, dk and dv keep what the caller put there, q/k/v/dout there are never read (NaN), and the
+    # other rows are what a run without skipping gives (GQA: two query heads per kv head)
+    B, Hq, Hkv, L, D = 3, 4, 2, 40, 64
+    q, k, v, do = rnd((B, Hq, L, D), BF16), rnd((B, Hkv, L, D), BF16), rnd((B, Hkv, L, D), BF16), rnd((B, Hq, L, D), BF16)
+    kp = torch.ones(B, L, dtype=torch.bool)
+    kp[2, :7] = False
+    opts = {"causal": causal, "key_padding": kp, **SMALL}
+    fwd_opts = {k_: v_ for k_, v_ in opts.items() if not k_.startswith("dq_")}
+    out, lse = attention_fwd(q, k, v, **fwd_opts)
+    grads = attention_bwd(do, q, k, v, out, lse, **opts)
+    skip = torch.tensor([True, False, False])
+    nan_q, nan_k, nan_v, nan_do = (t.clone() for t in (q, k, v, do))
+    for t in (nan_q, nan_k, nan_v, nan_do):
+        t[0] = float("nan")
+    out_s, lse_s = torch.full_like(out, 7.0), torch.full_like(lse, 7.0)
+    got = attention_fwd(nan_q, nan_k, nan_v, out=out_s, lse=lse_s, skip_batches=skip, **fwd_opts)
+    assert got[0] is out_s and got[1] is lse_s
+    assert (out_s[0] == 7).all() and (lse_s[0] == 7).all()
+    assert torch.equal(out_s[1:], out[1:]) and torch.equal(lse_s[1:], lse[1:])
+    held = tuple(torch.full_like(t, 7.0) for t in (q, k, v))
+    got = attention_bwd(nan_do, nan_q, nan_k, nan_v, out_s, lse_s, grads=held, skip_batches=skip, **opts)
+    for name, g_skip, g_all in zip(("dq", "dk", "dv"), got, grads):
+        assert (g_skip[0] == 7).all(), f"{name} written in a skipped batch row"
+        assert torch.equal(g_skip[1:], g_all[1:]), name
+
+
+def test_skip_batches_needs_buffers_and_negative_kv_lengths_mean_no_key():
+    q, k, v = (rnd((2, 1, 16, 64), BF16) for _ in range(3))
+    skip = torch.tensor([True, False])
+    with pytest.raises(ValueError, match="skip_batches needs out and lse"):
+        attention_fwd(q, k, v, skip_batches=skip)
+    out, lse = attention_fwd(q, k, v)
+    with pytest.raises(ValueError, match="skip_batches needs grads"):
+        attention_bwd(q, q, k, v, out, lse, skip_batches=skip)
+    # a user's negative kv_lengths is no key, as before (not a skip mark): zeros and EMPTY_LSE
+    out, lse = attention_fwd(q, k, v, kv_lengths=torch.tensor([-3, 16], dtype=torch.int32))
+    assert not out[0].any() and (lse[0] == EMPTY_LSE).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_rows_of_zero_dout_are_not_read(causal):
     # dout zero from row 40 on in batch row 0 (the rows past a padded sequence's length, which the
     # loss ignores) and throughout in batch row 1: the backward stops at the last live row's block,
