@@ -179,11 +179,7 @@ class PreGradFusionPass(CustomGraphPass):
         start = time.perf_counter()
         changed = autocast.make_explicit(graph) if self.config.fusions else 0
         record.seconds["(autocast casts)"] = time.perf_counter() - start
-        for name, fusion in registry.registered().items():
-            if name in self.config.fusions:
-                start = time.perf_counter()
-                changed += registry.apply(fusion, graph, self.config, record)
-                record.seconds[name] = time.perf_counter() - start
+        changed += self._apply_fusions(graph, record, timed=True)
         if changed:
             start = time.perf_counter()
             _sort_and_lint(graph)
@@ -198,6 +194,18 @@ class PreGradFusionPass(CustomGraphPass):
         STATISTICS.add(record)
         if self.inner is not None:
             self.inner(graph)
+
+    def _apply_fusions(self, graph: fx.Graph, record, timed: bool) -> int:
+        """Every enabled fusion over `graph`, in the registry's order (each one's seconds in
+        `record` where `timed`): the number of edits."""
+        changed = 0
+        for name, fusion in registry.registered().items():
+            if name in self.config.fusions:
+                start = time.perf_counter()
+                changed += registry.apply(fusion, graph, self.config, record)
+                if timed:
+                    record.seconds[name] = time.perf_counter() - start
+        return changed
 
     def _checkpointed_layers(self, graph: fx.Graph, record) -> int:
         """Fuse again in the bodies of the checkpointed layers this graph calls, knowing what the
@@ -215,9 +223,7 @@ class PreGradFusionPass(CustomGraphPass):
         for body, arguments, call in bodies:
             edits = autocast.make_explicit(body.graph, at.get(call))
             with masks.proven_in_caller(arguments):
-                for name, fusion in registry.registered().items():
-                    if name in self.config.fusions:
-                        edits += registry.apply(fusion, body.graph, self.config, record)
+                edits += self._apply_fusions(body.graph, record, timed=False)
             if edits:
                 _sort_and_lint(body.graph)
                 body.recompile()

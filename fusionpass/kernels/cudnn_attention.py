@@ -155,19 +155,27 @@ def _key(direction, q, k, v, scale, causal):
             bool(causal), q.device, torch.are_deterministic_algorithms_enabled())
 
 
-def padded_fwd(q, k, v, seq_len_kv, *, scale: float, causal: bool):
-    """(out [B, Hq, S, D], lse [B, Hq, S] fp32, natural log): every query row sees its batch row's
-    first seq_len_kv keys (top-left causal with `causal`). Raises Refused where cuDNN has no plan."""
+def _prepared(direction, build, q, k, v, seq_len_kv, scale, causal):
+    """The cached plan of `direction` for these operands, and what every execution passes it:
+    (q, k, v as cuDNN takes them, graph, its tensors, seq_q, seq_kv [B, 1, 1, 1] int32, workspace)."""
     q, k, v = _operand(q), _operand(k), _operand(v)
-    B, Hq, S, D = q.shape
-    g, t, ws = _graph(_key("fwd", q, k, v, scale, causal),
-                      lambda: _build_fwd(q.dtype, (q.shape, k.shape), (q.stride(), k.stride(), v.stride()), scale,
-                                         causal, q.device))
-    out = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, S, 1), dtype=torch.float32, device=q.device)
+    B, _, S, _ = q.shape
+    g, t, ws = _graph(_key(direction, q, k, v, scale, causal),
+                      lambda: build(q.dtype, (q.shape, k.shape), (q.stride(), k.stride(), v.stride()), scale, causal,
+                                    q.device))
     seq_q = torch.full((B, 1, 1, 1), S, dtype=torch.int32, device=q.device)
     seq_kv = seq_len_kv.to(torch.int32).reshape(B, 1, 1, 1).contiguous()
     workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=q.device)
+    return q, k, v, g, t, seq_q, seq_kv, workspace
+
+
+def padded_fwd(q, k, v, seq_len_kv, *, scale: float, causal: bool):
+    """(out [B, Hq, S, D], lse [B, Hq, S] fp32, natural log): every query row sees its batch row's
+    first seq_len_kv keys (top-left causal with `causal`). Raises Refused where cuDNN has no plan."""
+    q, k, v, g, t, seq_q, seq_kv, workspace = _prepared("fwd", _build_fwd, q, k, v, seq_len_kv, scale, causal)
+    B, Hq, S, D = q.shape
+    out = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, S, 1), dtype=torch.float32, device=q.device)
     tq, tk, tv, to, tstats, tseq_q, tseq_kv = t
     g.execute({tq: q, tk: k, tv: v, to: out, tstats: lse, tseq_q: seq_q, tseq_kv: seq_kv}, workspace,
               handle=_handle(q.device))
@@ -179,17 +187,11 @@ def padded_bwd(do, q, k, v, out, lse, seq_len_kv, *, scale: float, causal: bool)
     no query sees those keys, and cuDNN's padded backward need not write them (its own torch op
     declines this layout; cudnn-frontend's changelog lists zeroed padded rows as a newer kernel's
     feature), so they are set here rather than trusted."""
-    q, k, v = _operand(q), _operand(k), _operand(v)
+    q, k, v, g, t, seq_q, seq_kv, workspace = _prepared("bwd", _build_bwd, q, k, v, seq_len_kv, scale, causal)
     B, Hq, S, D = q.shape
-    g, t, ws = _graph(_key("bwd", q, k, v, scale, causal),
-                      lambda: _build_bwd(q.dtype, (q.shape, k.shape), (q.stride(), k.stride(), v.stride()), scale,
-                                         causal, q.device))
     dq = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    seq_q = torch.full((B, 1, 1, 1), S, dtype=torch.int32, device=q.device)
-    seq_kv = seq_len_kv.to(torch.int32).reshape(B, 1, 1, 1).contiguous()
-    workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=q.device)
     tq, tk, tv, to, tdo, tstats, tseq_q, tseq_kv, tdq, tdk, tdv = t
     g.execute({tq: q, tk: k, tv: v, to: out.contiguous(), tdo: do.contiguous(),
                tstats: lse.reshape(B, Hq, S, 1).contiguous(), tseq_q: seq_q, tseq_kv: seq_kv, tdq: dq, tdk: dk,
