@@ -159,7 +159,9 @@ def _concrete(v):
     return v
 
 
-def _key(v):
+def argument_key(v):
+    """What of one argument decides a kernel's TTIR: a tensor's dtype, whether an int is 1 or a
+    multiple of 16 (Triton's specializations), other scalars as they are."""
     v = _concrete(v)
     if isinstance(v, torch.Tensor):
         return ("tensor", v.dtype)
@@ -191,7 +193,7 @@ def written_arguments(kernel, kwargs: dict) -> frozenset[str]:
     decide which stores exist), by torch's own analysis; every tensor argument where the analysis
     fails (Inductor then clones them all)."""
     tensors = frozenset(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-    key = (kernel, tuple(sorted((k, _key(v)) for k, v in kwargs.items())))
+    key = (kernel, tuple(sorted((k, argument_key(v)) for k, v in kwargs.items())))
     if key not in _WRITTEN:
         from torch.utils._python_dispatch import _disable_current_modes
 

@@ -8,11 +8,12 @@ calls our kernels once per layer with arguments of the same kinds, so the same a
 many times over; on the Trainer path these analyses are a share of the compile time fusionpass
 adds (`benchmarks/trainer.py --compile-time --breakdown` times them).
 
-The answer depends only on the code path the kernel's TTIR takes: its constexpr and scalar
-arguments' values and which arguments are tensors (of which kind: torch filters the answer by
-it). The memo keys on exactly those, for fusionpass's own kernels only, and defers to torch for any
-other kernel, for TMA descriptors and for any argument it cannot key (a symbolic size). Each caller
-gets its own copy of the answer.
+The answer depends only on the kernel's TTIR, which Triton makes from its constexpr and scalar
+arguments (ints only through Triton's specializations: 1, a multiple of 16) and the tensors'
+dtypes, and on which arguments are tensors of which kind (torch filters the answer by it). The
+memo keys on exactly those (`launch.argument_key`, with the tensors' kinds), for fusionpass's own
+kernels only, and defers to torch for any other kernel, for TMA descriptors and for any argument it
+cannot key (a symbolic size). Each caller gets its own copy of the answer.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import threading
 
 import torch
 
+from fusionpass.kernels import launch
+
 # torch's entry points (torch 2.11: identify_mutated_tensors; later: identify_accessed_tensors),
 # each called as fn(kernel, kwargs, tma_descriptor_metadata)
 _ANALYSES = ("identify_mutated_tensors", "identify_accessed_tensors")
@@ -29,15 +32,15 @@ _OUR_KERNELS = "fusionpass.kernels."
 
 
 def _kind(value):
-    """What of an argument decides the analysis: a tensor's kind and dtype, a scalar's value; None
-    where that cannot be told (a symbolic value)."""
+    """What of an argument decides the analysis: a tensor's kind and dtype, a scalar's
+    specialization; None where that cannot be told (a symbolic value)."""
     if isinstance(value, torch.Tensor):
         return ("tensor", type(value).__name__, value.dtype)
     get_dtype = getattr(value, "get_dtype", None)
     if get_dtype is not None:  # an Inductor IR node (TensorBox, a buffer)
         return ("ir", type(value).__name__, get_dtype())
     if value is None or isinstance(value, (bool, int, float, str)):
-        return ("value", type(value).__name__, value)
+        return ("value", type(value).__name__, launch.argument_key(value))
     return None
 
 

@@ -40,10 +40,14 @@ def test_asked_once_per_kernel_and_kind_of_arguments():
     first = memo(attention._fwd_kernel, _args(), {})
     again = memo(attention._fwd_kernel, _args(O=torch.empty(9, dtype=torch.bfloat16)), {})
     assert len(calls) == 1 and first == again and first is not again
+    memo(attention._fwd_kernel, _args(Lq=93), {})  # an int of the same specialization: the same TTIR
+    assert len(calls) == 1
+    memo(attention._fwd_kernel, _args(Lq=96), {})  # a multiple of 16: another
+    assert len(calls) == 2
     memo(attention._fwd_kernel, _args(CAUSAL=False), {})  # another code path
     memo(attention._fwd_kernel, _args(O=torch.empty(4, dtype=torch.float16)), {})  # another dtype
     memo(attention._bwd_dq_kernel, _args(), {})  # another kernel
-    assert len(calls) == 4 and memo.asked == 4
+    assert len(calls) == 5 and memo.asked == 5
 
 
 def test_other_kernels_symbolic_arguments_and_tma_go_to_torch():
