@@ -30,6 +30,8 @@ class Report:
     already_fast: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     # what the user could change for more of a fusion's gain (not about the pass's own choices)
     hints: list[str] = dataclasses.field(default_factory=list)
+    # (where, kernel, why) for each attention call: which kernel runs for it and why
+    attention: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -47,6 +49,7 @@ class Report:
                 {"fusion": f, "where": w, "note": n} for f, w, n in self.already_fast
             ],
             "hints": list(self.hints),
+            "attention": [{"where": w, "kernel": k, "why": y} for w, k, y in self.attention],
         }
 
     def to_json(self) -> str:
@@ -81,6 +84,10 @@ class Report:
             lines.append("already fast (nothing to rewrite):")
             lines += [f"  {f}: {note} in {n} call(s)"
                       for (f, note), n in Counter((f, note) for f, _, note in self.already_fast).items()]
+        if self.attention:
+            lines.append("")
+            lines.append("attention calls (which kernel runs, and why):")
+            lines += _table(("where", "kernel", "why"), self.attention)
         if self.hints:
             lines.append("")
             lines.append("hints:")
@@ -153,7 +160,33 @@ def explain(model, *args, fusions=None, train: bool | None = None, **kwargs) -> 
         pass_seconds=dict(STATISTICS.seconds),
         already_fast=[note for r in records for note in r.already_fast],
         hints=_hints(model, out, matches, train),
+        attention=attention_calls(records),
     )
+
+
+AS_WRITTEN = "as written (torch SDPA with its mask, or the model's own ops)"
+
+
+def attention_calls(records) -> list[tuple[str, str, str]]:
+    """(where, kernel, why) per attention call: the kernel an attention fusion chose
+    (`Fusion.kernel`), the SDPA call already in its fast form, or, where every attention fusion
+    passed it by, the call as written with their near misses as the reason."""
+    declared = registry.registered()
+    attention = {name for name, f in declared.items() if f.kernel is not None}
+    out = []
+    for r in records:
+        chosen = {}
+        for fusion, at, kernel, variant in r.kernels:
+            chosen.setdefault(at, (kernel, f"{fusion} matched ({variant})"))
+        for fusion, at, note in r.already_fast:
+            chosen.setdefault(at, ("SDPA as written (torch picks its kernel)", note))
+        missed: dict[str, list[str]] = {}
+        for fusion, at, reason in r.near_misses:
+            if fusion in attention and at not in chosen:
+                missed.setdefault(at, []).append(f"{fusion}: {reason}")
+        out += [(at, kernel, why) for at, (kernel, why) in chosen.items()]
+        out += [(at, AS_WRITTEN, "; ".join(reasons)) for at, reasons in missed.items()]
+    return out
 
 
 def _hints(model, out, matches: dict[str, int], train: bool) -> list[str]:

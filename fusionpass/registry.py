@@ -103,6 +103,9 @@ class Fusion:
     # The result file whose measurements the cost rules rest on; derived from the name
     # (benchmarks/results/latest/<name>.md) unless given
     evidence: str = ""
+    # Which kernel runs for a match, in words (explain's attention calls: "which kernel runs for
+    # each attention call and why"), or None where the fusion does not choose one
+    kernel: Callable[[Match, Config], str] | None = None
 
     def __post_init__(self):
         if not self.name.isidentifier() or self.name != self.name.lower():
@@ -148,6 +151,8 @@ class Record:
     already_fast: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     # seconds the pass spent on each fusion (finding, guarding and replacing its matches)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # (fusion, where, kernel, variant) for each match of a fusion that says which kernel runs
+    kernels: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)
 
     def matched(self, fusion: str, variant: str, search: str) -> None:
         key = (fusion, variant)
@@ -311,7 +316,11 @@ def apply(fusion: Fusion, graph: fx.Graph, config: Config, record: Record) -> in
         if reason is not None:
             record.missed(fusion.name, node, reason)
             continue
+        kernel = fusion.kernel(match, config) if fusion.kernel is not None else None
+        at = where(node)
         fusion.replace(graph, match, config)
         record.matched(fusion.name, match.variant, found_by.name)
+        if kernel is not None:
+            record.kernels.append((fusion.name, at, kernel, match.variant))
         count += 1
     return count

@@ -746,3 +746,36 @@ def test_cli_bench_runs_both_sides(capsys):
     assert re.search(r"^\| infer \| torch\.compile \| [\d.]+ \|", out, re.MULTILINE), out
     assert re.search(r"^\| infer \| fusionpass \| [\d.]+ \|.*\| rms_norm_residual 5, sdpa_mask 2, swiglu_mlp 2 \|$",
                      out, re.MULTILINE), out
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_explain_names_the_kernel_of_each_attention_call(head_dim):
+    # a collator's padded batch through a tiny HF Llama: each layer's SDPA goes to our kernel
+    # (causal + key padding); at head dim 256 the cost rule keeps plain compile's call, and explain
+    # says so with the rule as the reason
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=2 * head_dim, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                      head_dim=head_dim, max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(1, 64, (2, 24))
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    report = fusionpass.explain(model, ids, attention_mask=mask, use_cache=False)
+    calls = {w: (k, why) for w, k, why in report.attention}
+    assert sorted(calls) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for kernel, why in calls.values():
+        if head_dim == 64:
+            assert kernel == "fusionpass flash (causal_kernel_padded)" and why.startswith("flash_attention matched")
+        else:
+            assert kernel.startswith("as written") and "head dim of a causal mask with key padding 256" in why
+    assert "attention calls (which kernel runs, and why):" in str(report)
+    assert json.loads(report.to_json())["attention"][0]["kernel"] == calls["model.layers.0.self_attn"][0]
+
+
+def test_explain_names_the_kernel_of_an_sdpa_call_already_fast():
+    q, k, v = (torch.randn(2, 2, 16, 64) for _ in range(3))
+    ((_, kernel, why),) = fusionpass.explain(CausalSdpa(), q, k, v).attention
+    assert kernel == "SDPA as written (torch picks its kernel)" and "already in the fast form" in why

@@ -397,6 +397,7 @@ DECODE_ATTENTION = registry.register(
             Guard("head_dim", head_dim),
         ),
         replace=replace,
+        kernel=lambda m, cfg: f"fusionpass split-KV decode ({m.variant})",
         unmatched="a decode-sized SDPA whose mask is not transformers' static-cache decode mask",
     )
 )

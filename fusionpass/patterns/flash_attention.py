@@ -329,6 +329,15 @@ def cudnn_padding_route(m: Match, cfg) -> bool:
     return True
 
 
+def kernel_of(m: Match, cfg) -> str:
+    """Which kernel runs for the match (explain): cuDNN's padding mask with our kernel for the rows
+    it cannot take (fusionpass::padded_attention), or our kernel for the route's form."""
+    if cudnn_padding_route(m, cfg):
+        return ("cuDNN with device sequence lengths for right-padded and all-ones rows, fusionpass flash for "
+                "the others (padded_attention)")
+    return f"fusionpass flash ({m.variant})"
+
+
 def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
     if cudnn_padding_route(m, cfg):
         _replace_with_padded_attention(graph, m)
@@ -607,6 +616,7 @@ FLASH_ATTENTION = registry.register(
             Guard("cost", padding_cost),
         ),
         replace=replace_with_kernel,
+        kernel=kernel_of,
         # an SDPA call this fusion leaves is sdpa_mask's or sdpa_runtime_check's next
         unmatched=lambda node: _UNMATCHED if eager.is_anchor(node) else None,
     )

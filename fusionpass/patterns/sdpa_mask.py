@@ -127,6 +127,9 @@ SDPA_MASK = registry.register(
         ),
         cost=(NOT_AUTOTUNED_TRAINING,),
         replace=replace,
+        kernel=lambda m, cfg: ("SDPA with is_causal=True and no mask (torch picks its kernel: cuDNN's causal one on "
+                               "H100/H200)" if m.variant == "causal_mask" else
+                               "SDPA without a mask (torch picks its kernel)"),
         # padded masks are sdpa_runtime_check's, which reports them
         unmatched=None,
         already_fast=already_fast,

@@ -176,6 +176,7 @@ SDPA_RUNTIME_CHECK = registry.register(
             Guard("run_time_check", run_time_check_allowed),
         ),
         replace=replace,
+        kernel=lambda m, cfg: "torch.cond: SDPA without the mask when attention_mask is all true, with it otherwise",
         # every other masked call is another fusion's, or sdpa_mask's near miss
         unmatched=None,
     )
