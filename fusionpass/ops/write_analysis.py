@@ -6,7 +6,9 @@ of a user-defined Triton kernel (our triton_ops' `wrap_triton` launches) writes.
 generating the kernel's TTIR and walking it, for every call site and again in each phase. A model
 calls our kernels once per layer with arguments of the same kinds, so the same answer is made
 many times over; on the Trainer path these analyses are a share of the compile time fusionpass
-adds (`benchmarks/trainer.py --compile-time --breakdown` times them).
+adds (`benchmarks/trainer.py --compile-time --breakdown` times them on the GPU;
+benchmarks/results/kernel/write_analysis.json, from benchmarks/probes/write_analysis.py, with and without
+the memo).
 
 The answer depends only on the kernel's TTIR, which Triton makes from its constexpr and scalar
 arguments (ints only through Triton's specializations: 1, a multiple of 16) and the tensors'
