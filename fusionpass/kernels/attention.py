@@ -339,6 +339,21 @@ def _alibi_slope2(SLOPES, h, ALIBI: tl.constexpr):
 
 
 @triton.jit
+def _query_block(pid_m, h, GROUP, Lq, Lk, diag, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+    """What a (query block, batch * query head) program of the forward and dQ kernels works on:
+    its kv head, first row, row / key / channel offsets, which channels and rows exist, the key
+    position of query 0 (`shift`) and each row's, and one past its last row."""
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    shift = _diagonal_shift(Lq, Lk, BOTTOM_RIGHT) + diag
+    return (hk, m0, offs_m, tl.arange(0, BLOCK_N), offs_d, offs_d < D, offs_m < Lq, shift, offs_m + shift,
+            tl.minimum(m0 + BLOCK_M, Lq))
+
+
+@triton.jit
 def _valid_keys(KVLEN, b, Lk, HAS_KVLEN: tl.constexpr):
     """Keys of batch row b at or past this are padding (kv_lengths clamped to [0, Lk])."""
     if HAS_KVLEN:
@@ -486,16 +501,8 @@ def _fwd_kernel(
     if HAS_KVLEN:
         if tl.load(KVLEN + b) < 0:  # a batch row another kernel computes (skip_batches)
             return
-    hk = h // GROUP
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    row_ok = offs_m < Lq
-    shift = _diagonal_shift(Lq, Lk, BOTTOM_RIGHT) + diag
-    pos = offs_m + shift
-    row_end = tl.minimum(m0 + BLOCK_M, Lq)
+    hk, m0, offs_m, offs_n, offs_d, d_ok, row_ok, shift, pos, row_end = _query_block(
+        pid_m, h, GROUP, Lq, Lk, diag, D, BLOCK_D, BLOCK_M, BLOCK_N, BOTTOM_RIGHT)
 
     b64 = b.to(tl.int64)
     q_base = Q + b64 * sqb + h.to(tl.int64) * sqh
@@ -779,16 +786,8 @@ def _bwd_dq_kernel(
     if HAS_KVLEN:
         if tl.load(KVLEN + b) < 0:  # a batch row another kernel computes (skip_batches)
             return
-    hk = h // GROUP
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    row_ok = offs_m < Lq
-    shift = _diagonal_shift(Lq, Lk, BOTTOM_RIGHT) + diag
-    pos = offs_m + shift
-    row_end = tl.minimum(m0 + BLOCK_M, Lq)
+    hk, m0, offs_m, offs_n, offs_d, d_ok, row_ok, shift, pos, row_end = _query_block(
+        pid_m, h, GROUP, Lq, Lk, diag, D, BLOCK_D, BLOCK_M, BLOCK_N, BOTTOM_RIGHT)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     mask = row_ok[:, None] & d_ok[None, :]
