@@ -4,7 +4,9 @@ table, write the result file the CPU gate reads (fusionpass.conformance.gate).
 Cases run in `--jobs` worker processes (compiling dominates; the GPU is shared), each with
 uninitialized memory filled with NaN. Workers take the next unclaimed case from one list ordered
 longest first by the seconds each case took in the previous result file, so that the slowest
-cases do not end up queued behind each other at the end of a run.
+cases do not end up queued behind each other at the end of a run. A case that ran out of GPU
+memory (the workers share one GPU; an 80 GiB card holds fewer of them than a 141 GiB one) is run
+again once the others are done, in a pool of a quarter as many workers.
 """
 from __future__ import annotations
 
@@ -123,6 +125,30 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _out_of_memory(result: dict) -> bool:
+    reason = result.get("reason", "")
+    return not result["passed"] and ("OutOfMemoryError" in reason or "out of memory" in reason)
+
+
+def _pool(args, only: list[str] | None, jobs: int, tmp: str, tag: str) -> tuple[list[dict], list[int]]:
+    """Run the cases `only` selects in `jobs` worker processes; their results and exit codes."""
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1")
+    claims = tempfile.mkdtemp(prefix=f"{tag}claims-", dir=tmp)
+    procs, parts = [], []
+    for i in range(jobs):
+        part = os.path.join(tmp, f"{tag}part{i}.json")
+        parts.append(part)
+        cmd = [sys.executable, "-m", "fusionpass.conformance", "--worker", str(i), "--claims", claims,
+               "--timings", args.timings, "--device", args.device, "--out", part] + (["--only", *only] if only else [])
+        procs.append(subprocess.Popen(cmd, env=env))
+    codes = [proc.wait() for proc in procs]
+    results = []
+    for part in parts:
+        if os.path.exists(part):
+            results.extend(json.loads(pathlib.Path(part).read_text()))
+    return results, codes
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="fusionpass check", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -154,25 +180,18 @@ def main(argv=None) -> int:
         args.only = [c.name for c in _selected(args.only, args.device) if c.name not in done]
         if not args.only:
             args.only = ["(none)"]
-    n = len(_selected(args.only, args.device))
-    jobs = max(1, min(args.jobs, n))
+    jobs = max(1, min(args.jobs, len(_selected(args.only, args.device))))
     with (tempfile.TemporaryDirectory(prefix="fusionpass-check-") if args.parts_dir is None
           else contextlib.nullcontext(args.parts_dir)) as tmp:
         os.makedirs(tmp, exist_ok=True)
-        env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1")
-        claims = tempfile.mkdtemp(prefix="claims-", dir=tmp)
-        procs, parts = [], []
-        for i in range(jobs):
-            part = os.path.join(tmp, f"part{i}.json")
-            parts.append(part)
-            cmd = [sys.executable, "-m", "fusionpass.conformance", "--worker", str(i), "--claims", claims,
-                   "--timings", args.timings, "--device", args.device, "--out", part] + (["--only", *args.only] if args.only else [])
-            procs.append(subprocess.Popen(cmd, env=env))
-        codes = [proc.wait() for proc in procs]
-        results = []
-        for part in parts:
-            if os.path.exists(part):
-                results.extend(json.loads(pathlib.Path(part).read_text()))
+        results, codes = _pool(args, args.only, jobs, tmp, "")
+        retry = [r["name"] for r in results if _out_of_memory(r)] if jobs > 1 else []
+        if retry:
+            retry_jobs = max(1, min(jobs // 4, len(retry)))
+            print(f"\n{len(retry)} case(s) ran out of GPU memory: again with {retry_jobs} worker(s)", flush=True)
+            again, more_codes = _pool(args, retry, retry_jobs, tmp, "oom-")
+            results = [r for r in results if r["name"] not in set(retry)] + again
+            codes += more_codes
     results.extend(kept)
     ran = {r["name"] for r in results}
     missing = [c.name for c in _selected(selection, args.device) if c.name not in ran]
@@ -181,7 +200,8 @@ def main(argv=None) -> int:
                         "passed": False, "reason": f"not run (worker exit codes {codes})"})
     results.sort(key=lambda r: r["name"])
     report = {**environment(args.device), "command": " ".join(["fusionpass check", *(argv or sys.argv[1:])]),
-              "seconds": round(time.perf_counter() - t0, 1), "summary": summary(results), "cases": results}
+              "seconds": round(time.perf_counter() - t0, 1), "rerun_out_of_memory": retry,
+              "summary": summary(results), "cases": results}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
