@@ -45,3 +45,17 @@ def test_gate_fails_on_a_failed_case_and_on_a_variant_without_a_case():
 
 def test_gate_fails_on_a_cpu_result():
     assert gate.problems({**GOOD, "device": "cpu"}, "abc", VARIANTS) == ["the result was not measured on CUDA (device 'cpu')"]
+
+
+def test_model_cases_expect_what_the_gpu_matched():
+    # the model cases' expected counts are derived from each model's layers
+    # (conformance/cases_models.py); the committed GPU run saw exactly them, case by case
+    import json
+
+    from fusionpass.conformance import cases_models
+
+    committed = json.loads(gate.RESULT.read_text())
+    seen = {c["name"]: c.get("matches") for c in committed["cases"]}
+    cases = [c for c in cases_models.CASES if c.name in seen]
+    assert len(cases) == len(cases_models.CASES)
+    assert {c.name: c.expect for c in cases} == {c.name: seen[c.name] for c in cases}
