@@ -73,15 +73,16 @@ def _llama_like(hidden=2048, heads=16, kv_heads=4, head_dim=128, ffn=5632):
 LAYERS = 2
 TRAIN_ONLY, INFER_ONLY = (1, 0), (0, 1)
 # Llama-style decoder layers: two RMSNorms (the second fuses the attention's residual add), RoPE, the
-# SwiGLU MLP (training: its recomputed product); SDPA with transformers' causal mask proven causal ...
+# SwiGLU MLP in training (its recompute-product route; inference at these row counts stays with
+# Inductor, swiglu_mlp's cost rule); SDPA with transformers' causal mask proven causal ...
 SDPA_DECODER = {"rms_norm_residual": 2, "rope": 1, "sdpa_mask": 1, "swiglu_mlp": TRAIN_ONLY}
 # ... or, in eager attention or under a sliding window, the attention kernel with its output
 # projection, q's rotation inside it in inference.
 KERNEL_DECODER = {"rms_norm_residual": 2, "rope": 1, "flash_attention": 1, "rope_attention": INFER_ONLY,
                   "attention_out_proj": 1, "swiglu_mlp": TRAIN_ONLY}
 FINAL_NORM = {"rms_norm_residual": 1}
-# Attention in the kernel with its output projection (eager math, ALiBi); post-LN and pre-LN
-# LayerNorms fuse where the graph is differentiated (dropout + residual + LayerNorm).
+# Attention in the kernel with its output projection (eager math, ALiBi); dropout + residual +
+# LayerNorm fuses in training (in inference these widths are below its cost rule's).
 KERNEL_ATTENTION = {"flash_attention": 1, "attention_out_proj": 1}
 TRAINING_LAYER_NORMS = {"layer_norm_dropout_residual": (2, 0)}
 
