@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from fusionpass.conformance import FLOOR, Case
-from fusionpass.conformance.cases_models import TrainerLM
+from fusionpass.conformance.cases_models import TrainerLM, expected
 
 # Shared by every tiny config: 2 layers, 4 query and 2 key/value heads of 64 channels, a 256-token
 # vocabulary, no dropout (a float64 reference cannot draw the compiled graph's masks).
@@ -56,9 +56,7 @@ class Family:
     gaps: str = ""                                # what does not match yet, and the near miss that says why
 
     def expected(self, mode: str) -> dict[str, int]:
-        counts = {name: n * LAYERS for name, n in self.per_layer.items()}
-        for name, n in self.once.items():
-            counts[name] = counts.get(name, 0) + n
+        counts = expected((self.per_layer,) * LAYERS, self.once, train=True)
         counts.update(self.mode_counts.get(mode, {}))
         return {name: n for name, n in counts.items() if n}
 
