@@ -4,9 +4,14 @@ table, write the result file the CPU gate reads (fusionpass.conformance.gate).
 Cases run in `--jobs` worker processes (compiling dominates; the GPU is shared), each with
 uninitialized memory filled with NaN. Workers take the next unclaimed case from one list ordered
 longest first by the seconds each case took in the previous result file, so that the slowest
-cases do not end up queued behind each other at the end of a run. A case that ran out of GPU
-memory (the workers share one GPU; an 80 GiB card holds fewer of them than a 141 GiB one) is run
-again once the others are done, in a pool of a quarter as many workers.
+cases do not end up queued behind each other at the end of a run.
+
+The workers share one GPU. By default there are as many as its memory holds (GIB_PER_WORKER), and
+a case that failed for want of GPU resources (RESOURCE_ERRORS) runs again once the others are
+done, in a pool of a quarter as many workers. `--budget` stops claiming cases after that many
+seconds and writes the result all the same, its unrun cases failed as "not run"; `--rerun-failed`
+then runs only those, so a run split over several calls of a time-limited machine still ends in
+one result file of one source digest.
 """
 from __future__ import annotations
 
@@ -23,6 +28,17 @@ import tempfile
 import time
 
 DEFAULT_OUT = "benchmarks/results/conformance.json"
+
+# GPU memory per worker: on the 80 GiB H100, 14 and 16 workers ran out of memory in a tenth of the
+# cases and 10 did not; 16 fit the 141 GiB H200 (the logs of 2026-12-05, the closing notes).
+GIB_PER_WORKER = 8
+# What a case raises when the workers beside it hold the GPU's memory: besides out-of-memory
+# itself, cuBLAS and cuDNN report a failed allocation inside their call as these. A case that
+# raises them for a bug raises them again when it runs again, and fails then.
+RESOURCE_ERRORS = ("OutOfMemoryError", "out of memory", "CUBLAS_STATUS_EXECUTION_FAILED",
+                   "CUBLAS_STATUS_INTERNAL_ERROR", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_INTERNAL_ERROR",
+                   "CUDA error: unknown error")
+NOT_RUN = "not run"
 
 
 def _nan_fill() -> None:
@@ -69,6 +85,8 @@ def _worker(args) -> int:
 
     results = []
     for index, case in enumerate(_longest_first(_selected(args.only, args.device), args.timings)):
+        if args.deadline is not None and time.time() > args.deadline:
+            break
         if not _claim(args.claims, index):
             continue
         t0 = time.perf_counter()
@@ -125,9 +143,32 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _out_of_memory(result: dict) -> bool:
+def _resource_failure(result: dict) -> bool:
     reason = result.get("reason", "")
-    return not result["passed"] and ("OutOfMemoryError" in reason or "out of memory" in reason)
+    return not result["passed"] and any(error in reason for error in RESOURCE_ERRORS)
+
+
+def default_jobs(device: str) -> int:
+    """As many workers as the GPU's memory holds (GIB_PER_WORKER), and no more than CPUs."""
+    cpus = os.cpu_count() or 1
+    if device != "cuda":
+        return min(8, cpus)
+    import torch
+
+    if not torch.cuda.is_available():
+        return min(8, cpus)
+    return max(1, min(cpus, torch.cuda.get_device_properties(0).total_memory // (GIB_PER_WORKER << 30)))
+
+
+def _previous_passes(paths: list[str], digest: str) -> list[dict]:
+    """The passing cases of result files `paths`, each of source digest `digest`."""
+    kept: dict[str, dict] = {}
+    for path in paths:
+        previous = json.loads(pathlib.Path(path).read_text())
+        if previous.get("source_digest") != digest:
+            raise SystemExit(f"{path} is of another source digest: run every case")
+        kept.update((r["name"], r) for r in previous["cases"] if r["passed"])
+    return list(kept.values())
 
 
 def _pool(args, only: list[str] | None, jobs: int, tmp: str, tag: str) -> tuple[list[dict], list[int]]:
@@ -139,7 +180,8 @@ def _pool(args, only: list[str] | None, jobs: int, tmp: str, tag: str) -> tuple[
         part = os.path.join(tmp, f"{tag}part{i}.json")
         parts.append(part)
         cmd = [sys.executable, "-m", "fusionpass.conformance", "--worker", str(i), "--claims", claims,
-               "--timings", args.timings, "--device", args.device, "--out", part] + (["--only", *only] if only else [])
+               "--timings", args.timings, "--device", args.device, "--out", part]
+        cmd += (["--deadline", str(args.deadline)] if args.deadline is not None else []) + (["--only", *only] if only else [])
         procs.append(subprocess.Popen(cmd, env=env))
     codes = [proc.wait() for proc in procs]
     results = []
@@ -153,54 +195,62 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="fusionpass check", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--only", nargs="*", help="case-name prefixes (default: every case)")
-    p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
+    p.add_argument("--jobs", type=int, default=None, help="worker processes (default: as many as the GPU's "
+                   f"memory holds at {GIB_PER_WORKER} GiB each, at most one per CPU)")
     p.add_argument("--out", default=DEFAULT_OUT)
-    p.add_argument("--rerun-failed", metavar="RESULT", default=None,
-                   help="run only the cases that failed or are missing in RESULT (a result file of the same "
-                        "source digest) and keep its passing ones")
+    p.add_argument("--rerun-failed", metavar="RESULT", nargs="+", default=None,
+                   help="run only the cases that failed or are missing in every RESULT (result files of the "
+                        "same source digest) and keep their passing ones")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="claim no case after this many seconds; the result lists the rest as not run "
+                        "(leave the longest case's time to spare under a time limit)")
     p.add_argument("--parts-dir", default=None, help="keep each worker's results here (default: a temporary folder)")
     p.add_argument("--timings", default=DEFAULT_OUT,
                    help="a result file whose per-case seconds order the run (default: the committed one)")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--claims", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # time.time() of --budget
     args = p.parse_args(argv)
     if args.worker is not None:
         return _worker(args)
 
     t0 = time.perf_counter()
+    if args.deadline is None and args.budget is not None:
+        args.deadline = time.time() + args.budget
     kept, selection = [], args.only
     if args.rerun_failed:
         from fusionpass.passes import source_digest
 
-        previous = json.loads(pathlib.Path(args.rerun_failed).read_text())
-        if previous.get("source_digest") != source_digest():
-            raise SystemExit(f"{args.rerun_failed} is of another source digest: run every case")
-        kept = [r for r in previous["cases"] if r["passed"] and r["name"] in {c.name for c in _selected(selection, args.device)}]
+        wanted = {c.name for c in _selected(selection, args.device)}
+        kept = [r for r in _previous_passes(args.rerun_failed, source_digest()) if r["name"] in wanted]
         done = {r["name"] for r in kept}
         args.only = [c.name for c in _selected(args.only, args.device) if c.name not in done]
         if not args.only:
             args.only = ["(none)"]
-    jobs = max(1, min(args.jobs, len(_selected(args.only, args.device))))
+    jobs = max(1, min(args.jobs or default_jobs(args.device), len(_selected(args.only, args.device))))
     with (tempfile.TemporaryDirectory(prefix="fusionpass-check-") if args.parts_dir is None
           else contextlib.nullcontext(args.parts_dir)) as tmp:
         os.makedirs(tmp, exist_ok=True)
         results, codes = _pool(args, args.only, jobs, tmp, "")
-        retry = [r["name"] for r in results if _out_of_memory(r)] if jobs > 1 else []
+        retry = [r["name"] for r in results if _resource_failure(r)] if jobs > 1 else []
         if retry:
             retry_jobs = max(1, min(jobs // 4, len(retry)))
-            print(f"\n{len(retry)} case(s) ran out of GPU memory: again with {retry_jobs} worker(s)", flush=True)
+            print(f"\n{len(retry)} case(s) failed for want of GPU resources: again with {retry_jobs} worker(s)",
+                  flush=True)
             again, more_codes = _pool(args, retry, retry_jobs, tmp, "oom-")
             results = [r for r in results if r["name"] not in set(retry)] + again
             codes += more_codes
     results.extend(kept)
     ran = {r["name"] for r in results}
     missing = [c.name for c in _selected(selection, args.device) if c.name not in ran]
-    for name in missing:  # a worker died before reaching them
+    out_of_time = args.deadline is not None and time.time() > args.deadline
+    why = "the budget ran out" if out_of_time else f"worker exit codes {codes}"  # else a worker died
+    for name in missing:
         results.append({"name": name, "fusion": name.split("/")[0], "variant": name.split("/")[1],
-                        "passed": False, "reason": f"not run (worker exit codes {codes})"})
+                        "passed": False, "reason": f"{NOT_RUN} ({why})"})
     results.sort(key=lambda r: r["name"])
     report = {**environment(args.device), "command": " ".join(["fusionpass check", *(argv or sys.argv[1:])]),
-              "seconds": round(time.perf_counter() - t0, 1), "rerun_out_of_memory": retry,
+              "seconds": round(time.perf_counter() - t0, 1), "rerun_after_resource_errors": retry,
               "summary": summary(results), "cases": results}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
