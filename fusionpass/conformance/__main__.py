@@ -29,8 +29,8 @@ import time
 
 DEFAULT_OUT = "benchmarks/results/conformance.json"
 
-# GPU memory per worker: on the 80 GiB H100, 14 and 16 workers ran out of memory in a tenth of the
-# cases and 10 did not; 16 fit the 141 GiB H200 (the logs of 2026-12-05, the closing notes).
+# GPU memory per worker: the most workers an H100 ran without out-of-memory failures, where more
+# per card failed in about a tenth of the cases (the runs of 2026-12-05, in that day's closing notes).
 GIB_PER_WORKER = 8
 # What a case raises when the workers beside it hold the GPU's memory: besides out-of-memory
 # itself, cuBLAS and cuDNN report a failed allocation inside their call as these. A case that
