@@ -42,7 +42,7 @@ def test_a_case_out_of_gpu_memory_runs_again_in_a_quarter_of_the_pool(monkeypatc
     oom = "raised OutOfMemoryError: CUDA out of memory. Tried to allocate 500.00 MiB."
     code, report, pools, names = _run(monkeypatch, tmp_path, [oom, ""], jobs=8)
     assert code == 0
-    assert pools[1] == ([names[0]], 1, "oom-")
+    assert pools[1] == ([names[0]], 1, "retry-")
     assert report["rerun_after_resource_errors"] == [names[0]]
     assert all(r["passed"] for r in report["cases"]) and len(report["cases"]) == 2
 
@@ -66,7 +66,7 @@ def test_one_worker_has_nothing_smaller_to_retry_in(monkeypatch, tmp_path):
 ])
 def test_library_errors_of_a_full_gpu_run_again_too(monkeypatch, tmp_path, reason):
     code, report, pools, names = _run(monkeypatch, tmp_path, ["", reason], jobs=8)
-    assert code == 0 and pools[1] == ([names[1]], 1, "oom-")
+    assert code == 0 and pools[1] == ([names[1]], 1, "retry-")
     assert report["rerun_after_resource_errors"] == [names[1]]
 
 
@@ -102,3 +102,10 @@ def test_workers_stop_claiming_cases_at_the_deadline(tmp_path):
 
 def test_default_jobs_on_the_cpu_is_bounded_by_cpus():
     assert 1 <= runner.default_jobs("cpu") <= 8
+
+
+def test_past_the_deadline_a_resource_failure_stays_failed_for_the_next_call(monkeypatch, tmp_path):
+    oom = "raised OutOfMemoryError: CUDA out of memory."
+    code, report, pools, names = _run(monkeypatch, tmp_path, [oom, ""], jobs=8, extra=["--budget", "-1"])
+    assert code == 1 and len(pools) == 1 and report["rerun_after_resource_errors"] == []
+    assert [r["passed"] for r in report["cases"] if r["name"] == names[0]] == [False]

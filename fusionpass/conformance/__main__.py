@@ -217,14 +217,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if args.deadline is None and args.budget is not None:
         args.deadline = time.time() + args.budget
-    kept, selection = [], args.only
+    kept, selected = [], [c.name for c in _selected(args.only, args.device)]
     if args.rerun_failed:
         from fusionpass.passes import source_digest
 
-        wanted = {c.name for c in _selected(selection, args.device)}
-        kept = [r for r in _previous_passes(args.rerun_failed, source_digest()) if r["name"] in wanted]
+        kept = [r for r in _previous_passes(args.rerun_failed, source_digest()) if r["name"] in set(selected)]
         done = {r["name"] for r in kept}
-        args.only = [c.name for c in _selected(args.only, args.device) if c.name not in done]
+        args.only = [name for name in selected if name not in done]
         if not args.only:
             args.only = ["(none)"]
     jobs = max(1, min(args.jobs or default_jobs(args.device), len(_selected(args.only, args.device))))
@@ -232,17 +231,20 @@ def main(argv=None) -> int:
           else contextlib.nullcontext(args.parts_dir)) as tmp:
         os.makedirs(tmp, exist_ok=True)
         results, codes = _pool(args, args.only, jobs, tmp, "")
-        retry = [r["name"] for r in results if _resource_failure(r)] if jobs > 1 else []
+        # (past the budget's deadline a retry pool's workers would start only to stop: they stay
+        # failed, for --rerun-failed)
+        out_of_time = args.deadline is not None and time.time() > args.deadline
+        retry = [r["name"] for r in results if _resource_failure(r)] if jobs > 1 and not out_of_time else []
         if retry:
             retry_jobs = max(1, min(jobs // 4, len(retry)))
             print(f"\n{len(retry)} case(s) failed for want of GPU resources: again with {retry_jobs} worker(s)",
                   flush=True)
-            again, more_codes = _pool(args, retry, retry_jobs, tmp, "oom-")
+            again, more_codes = _pool(args, retry, retry_jobs, tmp, "retry-")
             results = [r for r in results if r["name"] not in set(retry)] + again
             codes += more_codes
     results.extend(kept)
     ran = {r["name"] for r in results}
-    missing = [c.name for c in _selected(selection, args.device) if c.name not in ran]
+    missing = [name for name in selected if name not in ran]
     out_of_time = args.deadline is not None and time.time() > args.deadline
     why = "the budget ran out" if out_of_time else f"worker exit codes {codes}"  # else a worker died
     for name in missing:
