@@ -237,10 +237,23 @@ def rows_of(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def compile_time_runs(args) -> list[dict]:
+class _Runs(list):
+    """The runs so far, written to `path` after each one: a run stopped by a time limit (the GPU
+    machine's) leaves the runs it finished, which --rewrite turns into the table."""
+
+    def __init__(self, path: pathlib.Path):
+        super().__init__()
+        self.path = path
+
+    def append(self, run: dict) -> None:
+        super().append(run)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self, indent=1) + "\n")
+
+
+def compile_time_runs(args, runs: list) -> list[dict]:
     """Cold, warm (and with --breakdown, in-process compile) runs per weight dtype and side; the
     sides alternate which goes first from one dtype to the next."""
-    runs = []
     for i, weights in enumerate(args.weights.split(",")):
         for side in ("plain", "fusionpass")[::(-1) ** i]:
             with tempfile.TemporaryDirectory() as cache:
@@ -353,10 +366,9 @@ def main(argv=None) -> int:
     return 0 if all("error" not in r for r in rows) else 1
 
 
-def step_runs(args) -> list[dict]:
+def step_runs(args, runs: list) -> list[dict]:
     """One run per weight dtype and side (Liger where installed; plain twice with --repeat-plain)."""
     sides = [s for s in SIDES if s != "liger" or _liger_installed()]
-    runs = []
     for weights in args.weights.split(","):
         for side in sides + (["plain"] if args.repeat_plain else []):
             print(f"trainer: {weights} weights, {side}", flush=True)
@@ -371,10 +383,13 @@ def runs_and_environment(args, argv, suite, out_dir: pathlib.Path, topic: str, r
     runs_path = out_dir / runs_name
     if args.rewrite:
         return json.loads(runs_path.read_text()), json.loads((out_dir / f"{topic}.json").read_text())["environment"]
-    runs = measure(args)
     env = run_environment(suite, argv)
     env["model"] = f"LlamaForCausalLM {SMOKE_MODEL if args.smoke else MODEL}, B{args.batch} S{args.seq}, AdamW"
     env["steps"] = args.steps
+    # the environment first, so that --rewrite can make the table of a run stopped midway
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{topic}.json").write_text(json.dumps({"environment": env, "rows": []}, indent=1) + "\n")
+    runs = list(measure(args, _Runs(runs_path)))
     runs_path.parent.mkdir(parents=True, exist_ok=True)
     runs_path.write_text(json.dumps(runs, indent=1) + "\n")
     return runs, env

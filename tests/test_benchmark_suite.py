@@ -157,6 +157,17 @@ def test_trainer_breakdown_run_on_the_cpu(tmp_path):
     assert set(b["triton"]) >= {"total_s", "kernels", "ttir_s", "ttir_calls", "user_kernels_s"}
 
 
+def test_trainer_runs_are_written_as_they_finish(tmp_path):
+    """A run stopped by the GPU machine's time limit keeps the runs it finished (and --rewrite reads them)."""
+    trainer = _trainer_script()
+    path = tmp_path / "trainer_runs.json"
+    runs = trainer._Runs(path)
+    runs.append({"weights": "bf16", "side": "plain"})
+    assert json.loads(path.read_text()) == [{"weights": "bf16", "side": "plain"}]
+    runs.append({"weights": "bf16", "side": "fusionpass"})
+    assert [r["side"] for r in json.loads(path.read_text())] == ["plain", "fusionpass"]
+
+
 def test_trainer_rows_from_runs():
     """benchmarks/trainer.py's rows: plain / fusionpass per weight dtype, and an error row where a side failed."""
     trainer = _trainer_script()
