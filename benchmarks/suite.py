@@ -991,15 +991,18 @@ README_TOPICS = ("trainer", *KERNEL_TOPICS, "models", "regional")
 def readme_section(latest: pathlib.Path = LATEST) -> str:
     topics = {p.stem: json.loads(p.read_text()) for p in sorted(latest.glob("*.json"))}
     topics = {k: t for k, t in topics.items() if isinstance(t, dict) and "environment" in t}  # not trainer_runs
-    envs = {(t["environment"]["gpu"], t["environment"]["torch"], t["environment"]["triton"],
-             t["environment"].get("transformers")) for t in topics.values()}
-    dates = sorted({t["environment"]["date"] for t in topics.values()})
+    # the environments and dates of this table's topics (the Trainer topics have their own section)
+    dates_by_env: dict[tuple, set] = {}
+    for name, t in topics.items():
+        if name in README_TOPICS or name == "compile-time":
+            e = t["environment"]
+            dates_by_env.setdefault((e["gpu"], e["torch"], e["triton"], e.get("transformers")), set()).add(e["date"])
     lines = [README_BEGIN, ""]
     if not topics:
         return "\n".join(lines + ["No results yet: `python benchmarks/suite.py` on a GPU writes them.", "", README_END])
-    for gpu, torch_v, triton_v, tf_v in sorted(envs, key=str):
+    for (gpu, torch_v, triton_v, tf_v), dates in sorted(dates_by_env.items(), key=str):
         lines.append(f"Measured on {gpu} (torch {torch_v}, triton {triton_v}, transformers {tf_v}), "
-                     f"{', '.join(dates)}; per-topic tables with commands: `benchmarks/results/latest/<topic>.md`.")
+                     f"{', '.join(sorted(dates))}; per-topic tables with commands: `benchmarks/results/latest/<topic>.md`.")
     lines += ["", "| topic | case | mode | plain torch.compile ms | fusionpass ms | plain / fusionpass | "
               "peak MiB plain → fusionpass | matched | default cost rule |", "|---|---|---|---|---|---|---|---|---|"]
     for topic in README_TOPICS:
@@ -1056,7 +1059,8 @@ def trainer_compile_time_lines(latest: pathlib.Path = LATEST) -> list[str]:
         return ["", "First step on this path, cold and warm: not measured yet (`python benchmarks/trainer.py "
                     "--compile-time` on a GPU)."]
     topic = json.loads(path.read_text())
-    lines = ["", f"First step (compile + one step) on this path, {topic['environment']['date']} "
+    env = topic["environment"]
+    lines = ["", f"First step (compile + one step) on this path, {env['gpu']}, {env['date']} "
                  f"(`benchmarks/results/latest/{topic_name}.md`):", "",
              "| case | caches | plain torch.compile s | fusionpass s | added |", "|---|---|---|---|---|"]
     for r in topic["rows"]:
