@@ -168,6 +168,18 @@ def test_trainer_runs_are_written_as_they_finish(tmp_path):
     assert [r["side"] for r in json.loads(path.read_text())] == ["plain", "fusionpass"]
 
 
+def test_fusionpass_cache_keys_hold_across_processes_on_the_cpu(tmp_path):
+    """benchmarks/probes/cache_keys.py on the tiny Trainer run: a second process computes the same FX
+    graph keys as the first and hits the cache (on the GPU it does not yet: the probe says why there)."""
+    probe = load_script("cache_keys_probe", ROOT / "benchmarks" / "probes" / "cache_keys.py")
+    out = tmp_path / "keys.json"
+    assert probe.main(["--smoke", "--device", "cpu", "--seq", "32", "--batch", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    fx = result["differences"]["fx_graph"]
+    assert fx and all(row["same key"] for row in fx), fx
+    assert result["processes"]["warm"]["caches"].get("inductor.fxgraph_cache_hit") == len(fx)
+
+
 def test_trainer_rows_from_runs():
     """benchmarks/trainer.py's rows: plain / fusionpass per weight dtype, and an error row where a side failed."""
     trainer = _trainer_script()
