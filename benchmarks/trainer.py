@@ -109,8 +109,8 @@ def compile_phases() -> dict:
 
 
 def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bool, device: str,
-            breakdown: bool = False) -> dict:
-    """One Trainer run in this process."""
+            breakdown: bool = False, callbacks=()) -> dict:
+    """One Trainer run in this process (`callbacks`: more TrainerCallbacks, e.g. a profiler's)."""
     import torch
     import transformers
 
@@ -143,7 +143,7 @@ def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bo
             lr_scheduler_type="constant", logging_steps=1, report_to=[], bf16=True, save_strategy="no",
             torch_compile=side != "liger", use_liger_kernel=side == "liger", use_cpu=not cuda,
             dataloader_num_workers=0, disable_tqdm=True, seed=0, data_seed=0)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[Clock()])
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[Clock(), *callbacks])
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()

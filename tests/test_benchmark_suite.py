@@ -180,6 +180,22 @@ def test_fusionpass_cache_keys_hold_across_processes_on_the_cpu(tmp_path):
     assert result["processes"]["warm"]["caches"].get("inductor.fxgraph_cache_hit") == len(fx)
 
 
+def test_trainer_profile_families():
+    """benchmarks/probes/trainer_profile.py: kernel names to families (first match wins: an Inductor
+    kernel named after SDPA stays Inductor's), and ms per step summed over the profiled steps."""
+    probe = load_script("trainer_profile_probe", ROOT / "benchmarks" / "probes" / "trainer_profile.py")
+    assert probe.family("triton_per_fused__scaled_dot_product_attention_0") == "Inductor-generated Triton"
+    assert probe.family("_bwd_dkdv_kernel") == "fusionpass Triton"
+    assert probe.family("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "SDPA library attention (cuDNN, flash)"
+    assert probe.family("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "GEMM (cuBLAS, CUTLASS)"
+    assert probe.family("void at::native::multi_tensor_apply_kernel<FusedAdam>") == "optimizer"
+    assert probe.family("ncclDevKernel") == probe.OTHER
+    s = probe.summary([("_fwd_kernel", 3000.0, 6), ("triton_poi_0", 1500.0, 3), ("ncclDevKernel", 300.0, 3)], steps=3)
+    assert s["ms_per_step"] == {"fusionpass Triton": 1.0, "Inductor-generated Triton": 0.5, probe.OTHER: 0.1}
+    assert s["total_ms_per_step"] == 1.6 and s["largest"][0] == {
+        "name": "_fwd_kernel", "ms_per_step": 1.0, "calls_per_step": 2.0, "family": "fusionpass Triton"}
+
+
 def test_trainer_rows_from_runs():
     """benchmarks/trainer.py's rows: plain / fusionpass per weight dtype, and an error row where a side failed."""
     trainer = _trainer_script()

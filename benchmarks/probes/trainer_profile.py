@@ -1,0 +1,161 @@
+"""Issue 39 probe: where a Trainer step's GPU time goes, plain compile beside fusionpass.
+
+The Trainer path's step (benchmarks/trainer.py: `Trainer(bf16=True, torch_compile=True)`, the
+Llama-3.2-1B-shaped model) is still short of the issue's speed bars, and the causal split showed
+that cutting attention kernel time alone no longer moves the step
+(benchmarks/results/kernel/collator_attention_routes.md). This probe profiles a few steps past the
+compile, in one process per side, and sums the GPU kernels' time per step by family (`FAMILIES`,
+matched on kernel names in order) and lists the largest kernels, so the next change can aim at
+what the difference is made of.
+
+    python benchmarks/probes/trainer_profile.py [--weights bf16] [--out FILE.json]
+    python benchmarks/probes/trainer_profile.py --smoke --device cpu --seq 32 --batch 2   # CPU ops instead
+
+On the CPU (a check that it runs) the profiler's CPU ops stand in for kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# (family, pattern on the kernel's name); the first that matches names it. fusionpass's Triton
+# kernels are the `_*_kernel` functions of fusionpass/kernels (names without Inductor's `triton_`
+# prefix); Inductor's generated kernels start with `triton_`.
+FAMILIES = (
+    ("Inductor-generated Triton", r"^triton_"),
+    ("fusionpass Triton", r"^_\w+_kernel$"),
+    ("SDPA library attention (cuDNN, flash)", r"cudnn|flash|fmha|sdpa|attention"),
+    ("GEMM (cuBLAS, CUTLASS)", r"gemm|cutlass|nvjet|xmma|cublas|matmul|_mm|addmm|bmm"),
+    ("optimizer", r"multi_tensor|adam|foreach"),
+    ("copies and casts", r"copy|cast|convert|to_copy"),
+    ("reductions and elementwise (ATen)", r"reduce|elementwise|vectorized|unrolled|fill|index"),
+)
+OTHER = "other"
+
+
+def family(name: str) -> str:
+    for label, pattern in FAMILIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return OTHER
+
+
+def _trainer():
+    spec = importlib.util.spec_from_file_location("trainer_bench", ROOT / "benchmarks" / "trainer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _profiler_callback(first: int, count: int, cuda: bool, sink: dict):
+    """A TrainerCallback that profiles steps [first, first + count) and puts (name, total µs, calls)
+    of each kernel (CUDA) or op (CPU) in sink["events"]."""
+    import torch
+    import transformers
+
+    activities = [torch.profiler.ProfilerActivity.CUDA] if cuda else [torch.profiler.ProfilerActivity.CPU]
+
+    class Profile(transformers.TrainerCallback):
+        prof = None
+
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == first:
+                self.prof = torch.profiler.profile(activities=activities)
+                self.prof.start()
+
+        def on_step_end(self, args, state, control, **kw):
+            if self.prof is not None and state.global_step == first + count:
+                if cuda:
+                    torch.cuda.synchronize()
+                self.prof.stop()
+                wanted = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+                events = []
+                for e in self.prof.key_averages():
+                    if getattr(e, "device_type", None) != wanted:
+                        continue
+                    us = e.self_device_time_total if cuda else e.self_cpu_time_total
+                    if us > 0:
+                        events.append((e.key, us, e.count))
+                sink["events"] = events
+                self.prof = None
+
+    return Profile()
+
+
+def run(args) -> None:
+    sink: dict = {}
+    cuda = args.device == "cuda"
+    callback = _profiler_callback(args.first, args.profile_steps, cuda, sink)
+    steps = args.first + args.profile_steps + 1
+    result = _trainer().run_one(args.weights, args.side, steps, args.batch, args.seq, args.smoke, args.device,
+                                callbacks=[callback])
+    pathlib.Path(args.run).write_text(json.dumps({"events": sink.get("events", []), "step_ms": result["step_ms"],
+                                                  "matched": result["matched"]}))
+
+
+def summary(events: list, steps: int) -> dict:
+    """ms per step by family, and the 15 largest kernels."""
+    by_family: dict[str, float] = {}
+    for name, us, _calls in events:
+        by_family[family(name)] = by_family.get(family(name), 0.0) + us / 1e3 / steps
+    top = sorted(events, key=lambda e: -e[1])[:15]
+    return {"ms_per_step": {k: round(v, 3) for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
+            "total_ms_per_step": round(sum(by_family.values()), 3),
+            "largest": [{"name": n[:120], "ms_per_step": round(us / 1e3 / steps, 3), "calls_per_step": c / steps,
+                         "family": family(n)} for n, us, c in top]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", default="bf16")
+    p.add_argument("--sides", default="plain,fusionpass")
+    p.add_argument("--first", type=int, default=3, help="steps before the profiled ones (compile, warm-up)")
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--out", default=None)
+    p.add_argument("--run", default=None, help="(internal) one side in this process: write its events here")
+    p.add_argument("--side", default=None, help="(internal) with --run")
+    args = p.parse_args(argv)
+    if args.run:
+        run(args)
+        return 0
+    sides = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for side in args.sides.split(","):
+            out = pathlib.Path(tmp) / f"{side}.json"
+            cmd = [sys.executable, __file__, "--run", str(out), "--side", side, "--weights", args.weights,
+                   "--first", str(args.first), "--profile-steps", str(args.profile_steps), "--batch", str(args.batch),
+                   "--seq", str(args.seq), "--device", args.device] + (["--smoke"] if args.smoke else [])
+            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            if done.returncode != 0:
+                print((done.stderr or done.stdout)[-3000:], file=sys.stderr)
+                return 1
+            raw = json.loads(out.read_text())
+            sides[side] = {"step_ms": raw["step_ms"], "matched": raw["matched"],
+                           **summary(raw["events"], args.profile_steps)}
+    result = {"weights": args.weights, "device": args.device, "smoke": args.smoke, "batch": args.batch,
+              "seq": args.seq, "profiled_steps": args.profile_steps, "sides": sides}
+    if {"plain", "fusionpass"} <= set(sides):
+        plain, fused = sides["plain"]["ms_per_step"], sides["fusionpass"]["ms_per_step"]
+        result["fusionpass_minus_plain_ms"] = {f: round(fused.get(f, 0.0) - plain.get(f, 0.0), 3)
+                                               for f in sorted(set(plain) | set(fused))}
+    text = json.dumps(result, indent=1)
+    if args.out:
+        pathlib.Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
