@@ -551,6 +551,88 @@ def model_cases(smoke):
 
 
 # =============================================================================================
+# the census's families at their published widths (issue 43)
+
+# Each census family (fusionpass/conformance/families.py) at the widths of one checkpoint users
+# train (from its published config), two layers; the census's tiny config in a smoke run. The
+# label names the checkpoint the widths come from.
+FAMILY_WIDTHS = {
+    "llama": ("Llama-3.2-1B", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                                   num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True)),
+    "mistral": ("Mistral-7B-v0.3", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                        num_key_value_heads=8, head_dim=128, vocab_size=32768)),
+    "qwen2": ("Qwen2.5-1.5B", dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                                   num_key_value_heads=2, head_dim=128, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3-1.7B", dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)),
+    "smollm3": ("SmolLM3-3B", dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
+                                   num_key_value_heads=4, head_dim=128, vocab_size=128256, tie_word_embeddings=True)),
+    "gemma": ("Gemma-2B", dict(hidden_size=2048, intermediate_size=16384, num_attention_heads=8, num_key_value_heads=1,
+                               head_dim=256, vocab_size=256000)),
+    "gemma3": ("Gemma-3-1B", dict(hidden_size=1152, intermediate_size=6912, num_attention_heads=4,
+                                  num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512)),
+    "phi3": ("Phi-3-mini", dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=32,
+                                num_key_value_heads=32, head_dim=96, vocab_size=32064)),
+    "olmo": ("OLMo-1B", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=16,
+                             head_dim=128, vocab_size=50304)),
+    "granite": ("Granite-3.0-2B", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                                       num_key_value_heads=8, head_dim=64, vocab_size=49155)),
+    "cohere": ("Aya-Expanse-8B", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                      num_key_value_heads=8, head_dim=128, vocab_size=256000)),
+    "starcoder2": ("StarCoder2-3B", dict(hidden_size=3072, intermediate_size=12288, num_attention_heads=24,
+                                         num_key_value_heads=2, head_dim=128, vocab_size=49152)),
+    "stablelm": ("StableLM-2-1.6B", dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
+                                         num_key_value_heads=32, head_dim=64, vocab_size=100352)),
+    "gpt_neox": ("Pythia-1.4B", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+                                     num_key_value_heads=16, head_dim=128, vocab_size=50304)),
+    "phi": ("Phi-2", dict(hidden_size=2560, intermediate_size=10240, num_attention_heads=32, num_key_value_heads=32,
+                          head_dim=80, vocab_size=51200, partial_rotary_factor=0.4)),
+    "gpt2": ("GPT-2 small", dict(n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)),
+    "mixtral": ("Mixtral-8x7B", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                     num_key_value_heads=8, head_dim=128, vocab_size=32000, num_local_experts=8)),
+    "qwen3_moe": ("Qwen3-30B-A3B, 16 of its 128 experts", dict(
+        hidden_size=2048, moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        vocab_size=151936, num_experts=16, num_experts_per_tok=8)),
+}
+FAMILY_LAYERS = 2
+
+
+def family_cases(smoke):
+    """One training step per census family: bf16 weights, the collator's all-ones attention_mask,
+    two layers at the published widths of FAMILY_WIDTHS (smoke: the census's tiny config)."""
+    from fusionpass.conformance import families
+
+    cases = []
+    for name, family in families.FAMILIES.items():
+        label, widths = FAMILY_WIDTHS[name]
+        config = {k: v for k, v in {**families.TINY, **family.overrides}.items() if k not in family.drop}
+        if not smoke:
+            config.update(widths)
+            config["num_hidden_layers" if "n_layer" not in config else "n_layer"] = FAMILY_LAYERS
+            config["max_position_embeddings" if "n_positions" not in config else "n_positions"] = 4096
+            if "layer_types" in config:
+                config["layer_types"] = config["layer_types"][:FAMILY_LAYERS]
+        batch, seq = (2, 16) if smoke else (2, 1024)
+        title = f"{name}: the census's tiny config" if smoke else f"{name}: {label} widths, {FAMILY_LAYERS}L"
+        cases.append(ModelCase(title, _census_model(family.config, config), True, batch, seq, all_ones_mask=True))
+    return cases
+
+
+def _census_model(config_name, config):
+    def build(device, dtype):
+        import transformers
+
+        cfg = getattr(transformers, config_name)(**config)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = _on(device, lambda: transformers.AutoModelForCausalLM.from_config(cfg)).to(dtype)
+        model.loss_type = "ForCausalLM"  # GPT-2's default loss otherwise lands in a second graph
+        return model, ()
+
+    return build
+
+
+# =============================================================================================
 # regional compilation: a torchtitan-style Llama (tests/torchtitan_model.py), block by block
 
 
@@ -733,7 +815,7 @@ def measure(run: Run, order: int, case_name, module, inputs, kwargs, train, fusi
         leaves = [t for t in ins if isinstance(t, torch.Tensor) and t.requires_grad] + list(m.parameters())
         fn = m if backends[name] is None else torch.compile(m, backend=backends[name], dynamic=False)
         steps[name] = _step(fn, ins, train, leaves if train else (), kwargs)
-    first_s, matched, variants, pass_s, note = {}, {}, {}, 0.0, ""
+    first_s, matched, variants, pass_s, note, misses = {}, {}, {}, 0.0, "", ""
     sides = ["plain", "fusionpass"] if order % 2 == 0 else ["fusionpass", "plain"]
     for name in sides + (["without"] if without else []):
         fusionpass.reset_stats()
@@ -742,6 +824,7 @@ def measure(run: Run, order: int, case_name, module, inputs, kwargs, train, fusi
             matched = fusionpass.stats()
             variants = {f"{f}/{v}": n for (f, v), n in sorted(fusionpass.stats(variants=True).items())}
             pass_s = sum(STATISTICS.seconds.values())
+            misses = "; ".join(sorted({f"{f}: {reason[:160]}" for f, _, reason in STATISTICS.near_misses}))
             unmatched = [f for f, r in zip(fusions, wanted) if not matched.get(r)]
             if unmatched:
                 note = "; ".join(f"NOT MATCHED {f}: {_near_miss(registered(f))}" for f in unmatched)
@@ -756,6 +839,7 @@ def measure(run: Run, order: int, case_name, module, inputs, kwargs, train, fusi
         "note": note,
         "first_call_s": {k: round(v, 2) for k, v in first_s.items()}, "compiled_first": sides[0],
         "pass_s": round(pass_s, 3),
+        "near_misses": misses,
     }
     if eager:
         row["eager_ms"] = round(ms["eager"], 4)
@@ -826,14 +910,16 @@ def kernel_topic(run: Run, topic: str, cases: list[Case], budget_s: float | None
     return rows
 
 
-def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None) -> list[dict]:
-    """Every fusion on (the default config), plain against fusionpass, one row per model step."""
+def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None, near_misses: bool = False) -> list[dict]:
+    """Every fusion on (the default config), plain against fusionpass, one row per model step
+    (`near_misses`: with the pass's near misses of the step, each fusion's reasons once)."""
     rows, t0 = [], time.perf_counter()
     warm_up_compiler(run.device)
     dtype = torch.float32 if run.device == "cpu" else BF16
     every = tuple(fusionpass.FUSION_NAMES)
     for i, case in enumerate(cases):
-        name = f"{case.name} B{case.batch} S{case.seq}" + (" (smoke: one narrow layer)" if run.smoke else "")
+        # (a smoke run's models are narrow: one layer of each model, the census's tiny configs)
+        name = f"{case.name} B{case.batch} S{case.seq}" + (" (smoke)" if run.smoke else "")
         head = {"case": name, "mode": case.mode,
                 "dtype": str(dtype).removeprefix("torch."), "fusions": ["every fusion (default settings)"],
                 "default_rule": "selects"}
@@ -867,6 +953,8 @@ def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None) -> list
             row["matched"] = {f: n for f, n in row["matched"].items() if n}
             row.pop("variants")
             row["note"] = ""
+            if not near_misses:
+                row.pop("near_misses")
             row["tokens_per_s"] = round(case.batch * case.seq / row["fusionpass_ms"] * 1e3)
             return row
 
@@ -944,7 +1032,9 @@ TITLES = {"models": "model steps (every fusion, default settings)",
                                   "(benchmarks/trainer.py --compile-time)",
           "regional": "regional compilation: torchtitan-style training steps, every block and the loss region "
                       "compiled on their own (every fusion, default settings)",
-          "compile-time": "first-step compile time of the model steps (plain torch.compile against fusionpass)"}
+          "compile-time": "first-step compile time of the model steps (plain torch.compile against fusionpass)",
+          "families": "the census's model families at their published widths, two layers, one training step "
+                      "(every fusion, default settings)"}
 
 
 TIMED_INTERLEAVED = ("Generated by benchmarks/suite.py; timed interleaved in one process (medians), compile caches off. "
@@ -1084,7 +1174,7 @@ def rewrite_readme(readme: pathlib.Path = ROOT / "README.md") -> None:
 
 
 def main(argv=None) -> int:
-    topics = [*KERNEL_TOPICS, "models", "compile-time", "regional"]
+    topics = [*KERNEL_TOPICS, "models", "compile-time", "regional", "families"]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=None, help="comma-separated topics (kernels: every kernel topic): " + ", ".join(topics))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -1141,6 +1231,12 @@ def main(argv=None) -> int:
                                "Each first step is compile plus one step with the FX graph and AOT autograd caches "
                                "off, after a small warm-up compile; the side compiled first alternates by row. "
                                "fusionpass's own pass is its pattern matching, guards and rewrites.", ""])
+    if "families" in chosen:
+        t0 = time.perf_counter()
+        say("topic families")
+        rows = model_rows(run, keep(family_cases(args.smoke)), args.budget_s, near_misses=True)
+        write_topic(out_dir, "families", {**env, "seconds": round(time.perf_counter() - t0)}, rows,
+                    [*MODEL_COLUMNS, ("near_misses", "near misses")])
     if "regional" in chosen:
         t0 = time.perf_counter()
         say("topic regional")

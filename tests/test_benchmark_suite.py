@@ -71,6 +71,25 @@ def test_regional_smoke_run(tmp_path):
         assert row["matched"].get("rope", 0) == (1 if "rotate_half" in row["case"] else 0), row
 
 
+def test_families_smoke_run(tmp_path):
+    # the census families topic (issue 43) on the census's tiny Llama: a measured row with what
+    # matched and the near misses of the cost rules the tiny widths fall outside
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "suite.py"), "--smoke", "--device", "cpu",
+           "--only", "families", "--case", "llama:", "--out-dir", str(tmp_path)]
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "families.json").read_text())["rows"]
+    assert row["case"].startswith("llama: the census's tiny config") and "error" not in row, row
+    assert row["plain_ms"] > 0 and row["fusionpass_ms"] > 0
+    assert row["matched"]["flash_attention"] == 2 and row["matched"]["swiglu_mlp"] == 2, row
+    assert "rms_norm_residual: width: row width 256 outside" in row["near_misses"], row
+    # every census family has the widths of a checkpoint to be measured at
+    from fusionpass.conformance import families
+
+    assert set(_suite().FAMILY_WIDTHS) == set(families.FAMILIES)
+
+
 def test_an_error_becomes_a_row():
     suite = _suite()
 

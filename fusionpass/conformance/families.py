@@ -9,8 +9,10 @@ stops matching on a family fails `tests/models/test_family_census.py` until its 
 What does not match yet is written next to the family, with the near miss that explains it: those
 are the census's findings, and the issues' work list.
 
-The GPU half of the census (real widths, fewer layers, step time against plain compile) is not
-built yet; it is meant to read this table.
+The GPU half of the census reads this table: `python benchmarks/suite.py --only families` times one
+training step of each family at the published widths of one of its checkpoints, two layers, plain
+compile against fusionpass, with what matched and the near misses (benchmarks/results/latest/
+families.md once it has run on a GPU).
 """
 from __future__ import annotations
 
