@@ -461,6 +461,8 @@ class ModelCase:
     eager: bool = False
     # fusionpass settings beyond the defaults (an opt-in route measured beside the default one)
     settings: dict = dataclasses.field(default_factory=dict)
+    # fp32 weights under bf16 autocast (the HF Trainer's bf16=True) instead of bf16 weights
+    autocast: bool = False
 
     @property
     def mode(self) -> str:
@@ -598,8 +600,9 @@ FAMILY_LAYERS = 2
 
 
 def family_cases(smoke):
-    """One training step per census family: bf16 weights, the collator's all-ones attention_mask,
-    two layers at the published widths of FAMILY_WIDTHS (smoke: the census's tiny config)."""
+    """Two training steps per census family, bf16 weights and fp32 weights under bf16 autocast (the
+    census's two modes), each with the collator's all-ones attention_mask, two layers at the
+    published widths of FAMILY_WIDTHS (smoke: the census's tiny config)."""
     from fusionpass.conformance import families
 
     cases = []
@@ -614,7 +617,10 @@ def family_cases(smoke):
                 config["layer_types"] = config["layer_types"][:FAMILY_LAYERS]
         batch, seq = (2, 16) if smoke else (2, 1024)
         title = f"{name}: the census's tiny config" if smoke else f"{name}: {label} widths, {FAMILY_LAYERS}L"
-        cases.append(ModelCase(title, _census_model(family.config, config), True, batch, seq, all_ones_mask=True))
+        for amp in (False, True):
+            cases.append(ModelCase(title + (", Trainer autocast (fp32 weights)" if amp else ", bf16 weights"),
+                                   _census_model(family.config, config), True, batch, seq, all_ones_mask=True,
+                                   autocast=amp))
     return cases
 
 
@@ -782,15 +788,24 @@ def _step(fn, inputs, train, leaves, kwargs):
     return (training_step(fn, *inputs, leaves=leaves, **kwargs) if train else inference_step(fn, *inputs, **kwargs))
 
 
+def _under_autocast(step, device):
+    def autocast_step():
+        with torch.autocast(device, dtype=BF16):
+            return step()
+
+    return autocast_step
+
+
 def _near_miss(fusion):
     misses = [reason for f, _, reason in STATISTICS.near_misses if f == fusion]
     return misses[0] if misses else "no anchor found"
 
 
 def measure(run: Run, order: int, case_name, module, inputs, kwargs, train, fusions, settings, without, timing,
-            eager=False):
+            eager=False, autocast=False):
     """Time plain torch.compile, fusionpass (and fusionpass without one fusion, and the model
-    uncompiled) side by side.
+    uncompiled) side by side; with `autocast`, every step (its compile included) runs under bf16
+    autocast, as the HF Trainer's bf16=True runs the forward.
     `order` alternates which side compiles first, so neither always pays the process's colder
     first compile."""
     wanted = [registered(f) for f in fusions]
@@ -815,6 +830,8 @@ def measure(run: Run, order: int, case_name, module, inputs, kwargs, train, fusi
         leaves = [t for t in ins if isinstance(t, torch.Tensor) and t.requires_grad] + list(m.parameters())
         fn = m if backends[name] is None else torch.compile(m, backend=backends[name], dynamic=False)
         steps[name] = _step(fn, ins, train, leaves if train else (), kwargs)
+        if autocast:
+            steps[name] = _under_autocast(steps[name], run.device)
     first_s, matched, variants, pass_s, note, misses = {}, {}, {}, 0.0, "", ""
     sides = ["plain", "fusionpass"] if order % 2 == 0 else ["fusionpass", "plain"]
     for name in sides + (["without"] if without else []):
@@ -921,7 +938,8 @@ def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None, near_mi
         # (a smoke run's models are narrow: one layer of each model, the census's tiny configs)
         name = f"{case.name} B{case.batch} S{case.seq}" + (" (smoke)" if run.smoke else "")
         head = {"case": name, "mode": case.mode,
-                "dtype": str(dtype).removeprefix("torch."), "fusions": ["every fusion (default settings)"],
+                "dtype": "bf16 autocast" if case.autocast else str(dtype).removeprefix("torch."),
+                "fusions": ["every fusion (default settings)"],
                 "default_rule": "selects"}
         say(f"  [models {i + 1}/{len(cases)}] {head['case']}, {case.mode}")
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
@@ -930,7 +948,7 @@ def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None, near_mi
             continue
 
         def one(case=case, i=i):
-            model, _ = case.build(run.device, dtype)
+            model, _ = case.build(run.device, torch.float32 if case.autocast else dtype)
             ids = torch.randint(0, model.config.vocab_size, (case.batch, case.seq), device=run.device)
             kwargs = {"labels": ids} if case.train else {}
             if case.train and case.classes:
@@ -948,7 +966,7 @@ def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None, near_mi
                 # one when use_cache is on, and then masks the row as one sequence)
                 kwargs["use_cache"] = False
             row = measure(run, i, case.name, model, (ids,), kwargs, case.train, every, case.settings, case.without,
-                          run.model_timing, case.eager)
+                          run.model_timing, case.eager, case.autocast)
             # every fusion is on; which ones matched is the model's business, not a failure
             row["matched"] = {f: n for f, n in row["matched"].items() if n}
             row.pop("variants")
@@ -1033,8 +1051,8 @@ TITLES = {"models": "model steps (every fusion, default settings)",
           "regional": "regional compilation: torchtitan-style training steps, every block and the loss region "
                       "compiled on their own (every fusion, default settings)",
           "compile-time": "first-step compile time of the model steps (plain torch.compile against fusionpass)",
-          "families": "the census's model families at their published widths, two layers, one training step "
-                      "(every fusion, default settings)"}
+          "families": "the census's model families at their published widths, two layers, a training step in "
+                      "bf16 and under the Trainer's autocast (every fusion, default settings)"}
 
 
 TIMED_INTERLEAVED = ("Generated by benchmarks/suite.py; timed interleaved in one process (medians), compile caches off. "

@@ -79,11 +79,13 @@ def test_families_smoke_run(tmp_path):
            "--only", "families", "--case", "llama:", "--out-dir", str(tmp_path)]
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (row,) = json.loads((tmp_path / "families.json").read_text())["rows"]
-    assert row["case"].startswith("llama: the census's tiny config") and "error" not in row, row
-    assert row["plain_ms"] > 0 and row["fusionpass_ms"] > 0
-    assert row["matched"]["flash_attention"] == 2 and row["matched"]["swiglu_mlp"] == 2, row
-    assert "rms_norm_residual: width: row width 256 outside" in row["near_misses"], row
+    bf16, amp = json.loads((tmp_path / "families.json").read_text())["rows"]
+    assert bf16["case"].startswith("llama: the census's tiny config, bf16 weights") and bf16["dtype"] == "float32"
+    assert amp["case"].startswith("llama: the census's tiny config, Trainer autocast") and amp["dtype"] == "bf16 autocast"
+    for row in (bf16, amp):
+        assert "error" not in row and row["plain_ms"] > 0 and row["fusionpass_ms"] > 0, row
+        assert row["matched"]["flash_attention"] == 2 and row["matched"]["swiglu_mlp"] == 2, row
+        assert "rms_norm_residual: width: row width 256 outside" in row["near_misses"], row
     # every census family has the widths of a checkpoint to be measured at
     from fusionpass.conformance import families
 
