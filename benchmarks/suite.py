@@ -589,7 +589,9 @@ FAMILY_WIDTHS = {
                                      num_key_value_heads=16, head_dim=128, vocab_size=50304)),
     "phi": ("Phi-2", dict(hidden_size=2560, intermediate_size=10240, num_attention_heads=32, num_key_value_heads=32,
                           head_dim=80, vocab_size=51200, partial_rotary_factor=0.4)),
-    "gpt2": ("GPT-2 small", dict(n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)),
+    # (GPT2Config maps hidden_size and num_attention_heads, which the census's tiny config sets, onto
+    # n_embd and n_head: both names get the width)
+    "gpt2": ("GPT-2 small", dict(n_embd=768, hidden_size=768, n_head=12, num_attention_heads=12, vocab_size=50257)),
     "mixtral": ("Mixtral-8x7B", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                      num_key_value_heads=8, head_dim=128, vocab_size=32000, num_local_experts=8)),
     "qwen3_moe": ("Qwen3-30B-A3B, 16 of its 128 experts", dict(
@@ -611,8 +613,9 @@ def family_cases(smoke):
         config = {k: v for k, v in {**families.TINY, **family.overrides}.items() if k not in family.drop}
         if not smoke:
             config.update(widths)
-            config["num_hidden_layers" if "n_layer" not in config else "n_layer"] = FAMILY_LAYERS
-            config["max_position_embeddings" if "n_positions" not in config else "n_positions"] = 4096
+            # (both spellings where a config maps one onto the other, GPT-2's n_layer and n_positions)
+            config.update(num_hidden_layers=FAMILY_LAYERS, max_position_embeddings=4096)
+            config.update({k: v for k, v in (("n_layer", FAMILY_LAYERS), ("n_positions", 4096)) if k in config})
             if "layer_types" in config:
                 config["layer_types"] = config["layer_types"][:FAMILY_LAYERS]
         batch, seq = (2, 16) if smoke else (2, 1024)
