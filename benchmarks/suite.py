@@ -601,6 +601,23 @@ FAMILY_WIDTHS = {
 FAMILY_LAYERS = 2
 
 
+def family_config(name: str, smoke: bool) -> dict:
+    """The config of census family `name`: the census's tiny config, and at the published widths of
+    FAMILY_WIDTHS with FAMILY_LAYERS layers unless `smoke`."""
+    from fusionpass.conformance import families
+
+    family = families.FAMILIES[name]
+    config = {k: v for k, v in {**families.TINY, **family.overrides}.items() if k not in family.drop}
+    if not smoke:
+        config.update(FAMILY_WIDTHS[name][1])
+        # (both spellings where a config maps one onto the other, GPT-2's n_layer and n_positions)
+        config.update(num_hidden_layers=FAMILY_LAYERS, max_position_embeddings=4096)
+        config.update({k: v for k, v in (("n_layer", FAMILY_LAYERS), ("n_positions", 4096)) if k in config})
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:FAMILY_LAYERS]
+    return config
+
+
 def family_cases(smoke):
     """Two training steps per census family, bf16 weights and fp32 weights under bf16 autocast (the
     census's two modes), each with the collator's all-ones attention_mask, two layers at the
@@ -609,21 +626,12 @@ def family_cases(smoke):
 
     cases = []
     for name, family in families.FAMILIES.items():
-        label, widths = FAMILY_WIDTHS[name]
-        config = {k: v for k, v in {**families.TINY, **family.overrides}.items() if k not in family.drop}
-        if not smoke:
-            config.update(widths)
-            # (both spellings where a config maps one onto the other, GPT-2's n_layer and n_positions)
-            config.update(num_hidden_layers=FAMILY_LAYERS, max_position_embeddings=4096)
-            config.update({k: v for k, v in (("n_layer", FAMILY_LAYERS), ("n_positions", 4096)) if k in config})
-            if "layer_types" in config:
-                config["layer_types"] = config["layer_types"][:FAMILY_LAYERS]
+        title = f"{name}: the census's tiny config" if smoke else f"{name}: {FAMILY_WIDTHS[name][0]} widths, {FAMILY_LAYERS}L"
         batch, seq = (2, 16) if smoke else (2, 1024)
-        title = f"{name}: the census's tiny config" if smoke else f"{name}: {label} widths, {FAMILY_LAYERS}L"
         for amp in (False, True):
             cases.append(ModelCase(title + (", Trainer autocast (fp32 weights)" if amp else ", bf16 weights"),
-                                   _census_model(family.config, config), True, batch, seq, all_ones_mask=True,
-                                   autocast=amp))
+                                   _census_model(family.config, family_config(name, smoke)), True, batch, seq,
+                                   all_ones_mask=True, autocast=amp))
     return cases
 
 

@@ -86,10 +86,20 @@ def test_families_smoke_run(tmp_path):
         assert "error" not in row and row["plain_ms"] > 0 and row["fusionpass_ms"] > 0, row
         assert row["matched"]["flash_attention"] == 2 and row["matched"]["swiglu_mlp"] == 2, row
         assert "rms_norm_residual: width: row width 256 outside" in row["near_misses"], row
-    # every census family has the widths of a checkpoint to be measured at
+    # every census family has the widths of a checkpoint to be measured at, and its config takes
+    # them (a config that maps one name onto another, as GPT-2's, must not fall back to the tiny one)
+    import transformers
+
     from fusionpass.conformance import families
 
-    assert set(_suite().FAMILY_WIDTHS) == set(families.FAMILIES)
+    suite = _suite()
+    assert set(suite.FAMILY_WIDTHS) == set(families.FAMILIES)
+    for name, family in families.FAMILIES.items():
+        widths = suite.FAMILY_WIDTHS[name][1]
+        cfg = getattr(transformers, family.config)(**suite.family_config(name, smoke=False))
+        assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (
+            widths.get("hidden_size", widths.get("n_embd")), suite.FAMILY_LAYERS, widths["vocab_size"]), name
+        assert cfg.max_position_embeddings >= 1024, name
 
 
 def test_an_error_becomes_a_row():
