@@ -19,22 +19,14 @@ only (each cut to 400 characters).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _trainer():
-    spec = importlib.util.spec_from_file_location("trainer_bench", ROOT / "benchmarks" / "trainer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# trainer_runs lies beside this file: found also where this file is loaded by path (the tests)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import trainer_runs  # noqa: E402
 
 
 def _record_keys(records: dict) -> None:
@@ -59,7 +51,8 @@ def _record_keys(records: dict) -> None:
 def run(args) -> None:
     records: dict = {}
     _record_keys(records)
-    result = _trainer().run_one(args.weights, args.side, args.steps, args.batch, args.seq, args.smoke, args.device)
+    result = trainer_runs.load_trainer().run_one(args.weights, args.side, args.steps, args.batch, args.seq,
+                                                 args.smoke, args.device)
     records["caches"] = result.get("caches", {})
     records["first_step_s"] = result.get("first_step_s")
     pathlib.Path(args.run).write_text(json.dumps(records))
@@ -81,13 +74,9 @@ def _differences(first: list, second: list) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", default="bf16")
+    trainer_runs.add_arguments(p)
     p.add_argument("--side", default="fusionpass")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--out", default=None)
     p.add_argument("--run", default=None, help="(internal) one process: write its keys here")
     args = p.parse_args(argv)
@@ -96,28 +85,21 @@ def main(argv=None) -> int:
         return 0
     processes = {}
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton"}
+        env = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton"}
         for state in ("cold", "warm"):
-            out = pathlib.Path(cache) / f"{state}.json"
-            cmd = [sys.executable, __file__, "--run", str(out), "--weights", args.weights, "--side", args.side,
-                   "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
-                   "--device", args.device] + (["--smoke"] if args.smoke else [])
-            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-            if done.returncode != 0:
-                print((done.stderr or done.stdout)[-3000:], file=sys.stderr)
+            found = trainer_runs.child(__file__, pathlib.Path(cache) / f"{state}.json",
+                                       ["--side", args.side, "--steps", str(args.steps), *trainer_runs.forwarded(args)],
+                                       env)
+            if found is None:
                 return 1
-            processes[state] = json.loads(out.read_text())
+            processes[state] = found
     result = {"weights": args.weights, "side": args.side, "device": args.device, "smoke": args.smoke,
               "processes": {s: {"caches": r["caches"], "first_step_s": r["first_step_s"],
                                 "keys": {k: [x["key"] for x in r.get(k, [])] for k in ("aot_autograd", "fx_graph")}}
                             for s, r in processes.items()},
               "differences": {k: _differences(processes["cold"].get(k, []), processes["warm"].get(k, []))
                               for k in ("aot_autograd", "fx_graph")}}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        pathlib.Path(args.out).write_text(text + "\n")
-    print(text)
-    return 0
+    return trainer_runs.report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,15 @@ On the CPU (a check that it runs) the profiler's CPU ops stand in for kernels.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import re
-import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+# trainer_runs lies beside this file: found also where this file is loaded by path (the tests)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import trainer_runs  # noqa: E402
 
 # (family, pattern on the kernel's name); the first that matches names it. fusionpass's Triton
 # kernels are the `_*_kernel` functions of fusionpass/kernels (names without Inductor's `triton_`
@@ -46,13 +46,6 @@ def family(name: str) -> str:
         if re.search(pattern, name, re.IGNORECASE):
             return label
     return OTHER
-
-
-def _trainer():
-    spec = importlib.util.spec_from_file_location("trainer_bench", ROOT / "benchmarks" / "trainer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _profiler_callback(first: int, count: int, cuda: bool, sink: dict):
@@ -95,8 +88,8 @@ def run(args) -> None:
     cuda = args.device == "cuda"
     callback = _profiler_callback(args.first, args.profile_steps, cuda, sink)
     steps = args.first + args.profile_steps + 1
-    result = _trainer().run_one(args.weights, args.side, steps, args.batch, args.seq, args.smoke, args.device,
-                                callbacks=[callback])
+    result = trainer_runs.load_trainer().run_one(args.weights, args.side, steps, args.batch, args.seq, args.smoke,
+                                                 args.device, callbacks=[callback])
     pathlib.Path(args.run).write_text(json.dumps({"events": sink.get("events", []), "step_ms": result["step_ms"],
                                                   "matched": result["matched"]}))
 
@@ -115,14 +108,10 @@ def summary(events: list, steps: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", default="bf16")
+    trainer_runs.add_arguments(p)
     p.add_argument("--sides", default="plain,fusionpass")
     p.add_argument("--first", type=int, default=3, help="steps before the profiled ones (compile, warm-up)")
     p.add_argument("--profile-steps", type=int, default=3)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--out", default=None)
     p.add_argument("--run", default=None, help="(internal) one side in this process: write its events here")
     p.add_argument("--side", default=None, help="(internal) with --run")
@@ -133,15 +122,11 @@ def main(argv=None) -> int:
     sides = {}
     with tempfile.TemporaryDirectory() as tmp:
         for side in args.sides.split(","):
-            out = pathlib.Path(tmp) / f"{side}.json"
-            cmd = [sys.executable, __file__, "--run", str(out), "--side", side, "--weights", args.weights,
-                   "--first", str(args.first), "--profile-steps", str(args.profile_steps), "--batch", str(args.batch),
-                   "--seq", str(args.seq), "--device", args.device] + (["--smoke"] if args.smoke else [])
-            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-            if done.returncode != 0:
-                print((done.stderr or done.stdout)[-3000:], file=sys.stderr)
+            raw = trainer_runs.child(__file__, pathlib.Path(tmp) / f"{side}.json",
+                                     ["--side", side, "--first", str(args.first), "--profile-steps",
+                                      str(args.profile_steps), *trainer_runs.forwarded(args)])
+            if raw is None:
                 return 1
-            raw = json.loads(out.read_text())
             sides[side] = {"step_ms": raw["step_ms"], "matched": raw["matched"],
                            **summary(raw["events"], args.profile_steps)}
     result = {"weights": args.weights, "device": args.device, "smoke": args.smoke, "batch": args.batch,
@@ -150,11 +135,7 @@ def main(argv=None) -> int:
         plain, fused = sides["plain"]["ms_per_step"], sides["fusionpass"]["ms_per_step"]
         result["fusionpass_minus_plain_ms"] = {f: round(fused.get(f, 0.0) - plain.get(f, 0.0), 3)
                                                for f in sorted(set(plain) | set(fused))}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        pathlib.Path(args.out).write_text(text + "\n")
-    print(text)
-    return 0
+    return trainer_runs.report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""What the Trainer-path probes share (cache_keys.py, trainer_profile.py): benchmarks/trainer.py loaded
+by path (benchmarks/ is no package), the arguments of one Trainer run, a child process that runs one
+configuration on its own (the probe's own `--run OUT` mode) and the result written and printed."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def load_trainer():
+    spec = importlib.util.spec_from_file_location("trainer_bench", ROOT / "benchmarks" / "trainer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """One Trainer run's model and batch (benchmarks/trainer.py's run_one)."""
+    p.add_argument("--weights", default="bf16")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--smoke", action="store_true", help="the tiny model")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+
+
+def forwarded(args: argparse.Namespace) -> list[str]:
+    """add_arguments' values as command-line arguments for a child process."""
+    return (["--weights", args.weights, "--batch", str(args.batch), "--seq", str(args.seq), "--device", args.device]
+            + (["--smoke"] if args.smoke else []))
+
+
+def child(script: str, out: pathlib.Path, arguments: list[str], env: dict | None = None) -> dict | None:
+    """`script --run out *arguments` in a process of its own: what it wrote to `out`, or None after
+    printing the end of its output where it failed."""
+    done = subprocess.run([sys.executable, script, "--run", str(out), *arguments], cwd=ROOT,
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    if done.returncode != 0:
+        print((done.stderr or done.stdout)[-3000:], file=sys.stderr)
+        return None
+    return json.loads(out.read_text())
+
+
+def report(result: dict, out: str | None) -> int:
+    """The probe's result as JSON: written to `out` where given, and printed."""
+    text = json.dumps(result, indent=1)
+    if out:
+        pathlib.Path(out).write_text(text + "\n")
+    print(text)
+    return 0
