@@ -625,28 +625,16 @@ def family_cases(smoke):
     from fusionpass.conformance import families
 
     cases = []
+    batch, seq = (2, 16) if smoke else (2, 1024)
     for name, family in families.FAMILIES.items():
-        title = f"{name}: the census's tiny config" if smoke else f"{name}: {FAMILY_WIDTHS[name][0]} widths, {FAMILY_LAYERS}L"
-        batch, seq = (2, 16) if smoke else (2, 1024)
+        title = (f"{name}: the census's tiny config" if smoke else
+                 f"{name}: {FAMILY_WIDTHS[name][0]} widths, {FAMILY_LAYERS}L")
+        # (hf_model's smoke configs are not the census's: the config is built here either way)
+        build = hf_model(family.config, "AutoModelForCausalLM", "sdpa", False, **family_config(name, smoke))
         for amp in (False, True):
-            cases.append(ModelCase(title + (", Trainer autocast (fp32 weights)" if amp else ", bf16 weights"),
-                                   _census_model(family.config, family_config(name, smoke)), True, batch, seq,
-                                   all_ones_mask=True, autocast=amp))
+            cases.append(ModelCase(title + (", Trainer autocast (fp32 weights)" if amp else ", bf16 weights"), build,
+                                   True, batch, seq, all_ones_mask=True, autocast=amp))
     return cases
-
-
-def _census_model(config_name, config):
-    def build(device, dtype):
-        import transformers
-
-        cfg = getattr(transformers, config_name)(**config)
-        cfg._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        model = _on(device, lambda: transformers.AutoModelForCausalLM.from_config(cfg)).to(dtype)
-        model.loss_type = "ForCausalLM"  # GPT-2's default loss otherwise lands in a second graph
-        return model, ()
-
-    return build
 
 
 # =============================================================================================
