@@ -703,7 +703,7 @@ def test_config_key_is_stable():
 def test_pass_pickles_the_same_in_every_process():
     """torch 2.11 keys Inductor's and AOTAutograd's caches on the pickle of pre_grad_custom_pass
     (2.13 asks its uuid() instead): that pickle must not follow the string hash seed, or a second
-    process misses both caches (benchmarks/results/probes/cache-keys-h100.json)."""
+    process misses both caches (benchmarks/results/trainer/2026-12-05-h100-cache-keys.json)."""
     code = ("import hashlib, pickle; from fusionpass import config; from fusionpass.passes import PreGradFusionPass;"
             "print(hashlib.sha256(pickle.dumps(PreGradFusionPass(config.Config()))).hexdigest())")
     digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": str(seed)},
