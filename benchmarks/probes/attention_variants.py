@@ -22,11 +22,21 @@ import time
 import torch
 import triton
 
-SRC = os.path.join(os.path.dirname(__file__), "..", "..", "fusionpass", "kernels", "attention.py")
+PACKAGE = os.path.join(os.path.dirname(__file__), "..", "..", "fusionpass", "kernels", "attention")
+# The package's modules in import order, as one source the edits below apply to (the imports
+# between them dropped: in one module the names are its own).
+PARTS = ("blocks", "forward", "backward", "host")
+_OWN_IMPORTS = r"^from fusionpass\.kernels\.attention\.\w+ import (\([^)]*\)|[^\n]*)\n"
+
+
+def source() -> str:
+    src = "".join(open(os.path.join(PACKAGE, f"{part}.py")).read() for part in PARTS)
+    src = re.sub(_OWN_IMPORTS, "", src, flags=re.M)
+    return "from __future__ import annotations\n" + src.replace("from __future__ import annotations\n", "")
 
 
 def build(name, edits):
-    src = open(SRC).read()
+    src = source()
     for pattern, repl, count in edits:
         new, n = re.subn(pattern, repl, src, flags=re.S)
         assert n == count, (name, pattern[:60], n)
@@ -70,8 +80,7 @@ ATOMIC = [
 
 
 def bwd_atomic(A, do, q, k, v, out, lse, cfg=None, **kw):
-    o = A._options(q, k, v, kw.get("causal", False), None, None, None, False, kw.get("key_padding"), None, None,
-                   0.0, None, 0, "top_left", 0, None)
+    o = A.check_options(q, k, v, causal=kw.get("causal", False), key_padding=kw.get("key_padding"))
     B, Hq, Hkv, Lq, Lk, D = o.B, o.Hq, o.Hkv, o.Lq, o.Lk, o.D
     pad_d = triton.next_power_of_2(D)
     dk, dv = torch.empty_like(k), torch.empty_like(v)

@@ -19,7 +19,8 @@ import time
 import torch
 import triton
 
-from fusionpass.kernels import attention, launch
+from fusionpass.kernels import launch
+from fusionpass.kernels.attention import host as attention
 from fusionpass.ops import write_analysis
 
 LAYERS, B, HQ, HKV, L, D = 8, 4, 32, 8, 2048, 64

@@ -69,7 +69,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fusionpass.kernels.attention import _load_kv, _mm_operand, _softmax_step, check_qkv
+from fusionpass.kernels.attention import check_qkv
+from fusionpass.kernels.attention.blocks import _load_kv, _mm_operand
+from fusionpass.kernels.attention.forward import _softmax_step
 from fusionpass.kernels.common import (
     _cuda_props,
     _device_guard,

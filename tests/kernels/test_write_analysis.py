@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 from torch._higher_order_ops import triton_kernel_wrap
 
-from fusionpass.kernels import attention
+from fusionpass.kernels.attention import backward, forward
 from fusionpass.ops import write_analysis
 
 
@@ -37,16 +37,16 @@ def test_installed_on_this_torch():
 
 def test_asked_once_per_kernel_and_kind_of_arguments():
     memo, calls = _counting()
-    first = memo(attention._fwd_kernel, _args(), {})
-    again = memo(attention._fwd_kernel, _args(O=torch.empty(9, dtype=torch.bfloat16)), {})
+    first = memo(forward._fwd_kernel, _args(), {})
+    again = memo(forward._fwd_kernel, _args(O=torch.empty(9, dtype=torch.bfloat16)), {})
     assert len(calls) == 1 and first == again and first is not again
-    memo(attention._fwd_kernel, _args(Lq=93), {})  # an int of the same specialization: the same TTIR
+    memo(forward._fwd_kernel, _args(Lq=93), {})  # an int of the same specialization: the same TTIR
     assert len(calls) == 1
-    memo(attention._fwd_kernel, _args(Lq=96), {})  # a multiple of 16: another
+    memo(forward._fwd_kernel, _args(Lq=96), {})  # a multiple of 16: another
     assert len(calls) == 2
-    memo(attention._fwd_kernel, _args(CAUSAL=False), {})  # another code path
-    memo(attention._fwd_kernel, _args(O=torch.empty(4, dtype=torch.float16)), {})  # another dtype
-    memo(attention._bwd_dq_kernel, _args(), {})  # another kernel
+    memo(forward._fwd_kernel, _args(CAUSAL=False), {})  # another code path
+    memo(forward._fwd_kernel, _args(O=torch.empty(4, dtype=torch.float16)), {})  # another dtype
+    memo(backward._bwd_dq_kernel, _args(), {})  # another kernel
     assert len(calls) == 5 and memo.asked == 5
 
 
@@ -54,6 +54,6 @@ def test_other_kernels_symbolic_arguments_and_tma_go_to_torch():
     memo, calls = _counting()
     for _ in range(2):
         memo(_not_ours, {"X": torch.empty(4), "BLOCK": 4}, {})
-        memo(attention._fwd_kernel, _args(Lq=object()), {})  # not keyable (as a symbolic size)
-        memo(attention._fwd_kernel, _args(), {"O": ("stable", ())})
+        memo(forward._fwd_kernel, _args(Lq=object()), {})  # not keyable (as a symbolic size)
+        memo(forward._fwd_kernel, _args(), {"O": ("stable", ())})
     assert len(calls) == 6 and memo.asked == 0
