@@ -12,6 +12,7 @@ models, installed into torch.compile's Inductor as graph rewrites.
 from fusionpass import ops as _ops  # noqa: F401  (registers the custom ops)
 from fusionpass.backend import backend, enabled, install, register as _register_backend, uninstall
 from fusionpass.causal_lm import loss_only
+from fusionpass import config as _config
 from fusionpass.config import Config
 from fusionpass.explain import Report, explain
 from fusionpass.passes import STATISTICS as _STATISTICS
@@ -24,9 +25,7 @@ _register_backend()
 
 def __getattr__(name: str):
     if name == "FUSION_NAMES":  # every declared fusion in run order, read from the declarations
-        from fusionpass.config import fusion_names
-
-        return fusion_names()
+        return _config.fusion_names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

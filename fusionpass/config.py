@@ -16,13 +16,13 @@ import os
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
+from fusionpass import registry
+
 _TRUE = ("1", "true", "on", "yes")
 
 
 def fusion_names() -> tuple[str, ...]:
     """Every declared fusion, in the order the pass runs them."""
-    from fusionpass import registry
-
     return registry.fusion_names()
 
 
@@ -57,8 +57,6 @@ _SETTINGS: list = []  # [(registry.version(), settings)]: derived once per set o
 def settings() -> Mapping[str, Setting]:
     """Every fusion's settings, by Config keyword, in run order (read-only; derived again only
     after a fusion is registered or unregistered)."""
-    from fusionpass import registry
-
     version = registry.version()
     if _SETTINGS and _SETTINGS[0][0] == version:
         return _SETTINGS[0][1]
@@ -107,8 +105,6 @@ class Config:
 
     def options(self, fusion: str):
         """The options dataclass of `fusion` with this config's values."""
-        from fusionpass import registry
-
         declared = registry.registered()[fusion]
         values = dict(self._values)
         return declared.options(**{f.name: values[key] for key, f in declared.settings().items()})

@@ -2,7 +2,7 @@
 
 A rule's bound is a number or the name of a `Config` setting that holds it (so the bounds stay
 user-settable: `rms_norm_min_width`, FUSIONPASS_RMS_NORM_MIN_WIDTH); the rule reads it from the
-config it is checked against, or the setting's default where it is described. A fusion lists its
+config it is checked against (`registry.default_settings()` where it is described). A fusion lists its
 rules in `Fusion.cost`: `fusionpass list`, the README and docs/fusions.md state them from this
 data, and its guards call `check`, whose reason states the rule ("row width 1024 outside
 2048..8192 in training"). Why a rule exists, and the measurements behind it, are in the fusion's
@@ -23,12 +23,12 @@ def mode(training: bool) -> str:
 
 
 def _value(bound: Bound, cfg) -> int | None:
+    """A bound's number: itself, or the value of the setting it names in `cfg` (a Config, or any
+    object with the settings as attributes: `registry.Fusion.selection` passes the defaults)."""
     if isinstance(bound, str):
-        if cfg is not None:
-            return getattr(cfg, bound)
-        from fusionpass.config import settings
-
-        return settings()[bound].default
+        if cfg is None:
+            raise ValueError(f"the bound {bound!r} is a setting: checking or describing it needs the config")
+        return getattr(cfg, bound)
     return bound
 
 
@@ -171,6 +171,7 @@ class Switch:
         return f"{self.setting}=True: {self.what}"
 
 
-def describe(rules) -> str:
-    """The rules of one fusion in words (`Fusion.cost`), joined."""
-    return "; ".join(d for r in rules if (d := r.describe()))
+def describe(rules, cfg) -> str:
+    """The rules of one fusion in words (`Fusion.cost`), joined, with `cfg`'s values of the settings
+    they name."""
+    return "; ".join(d for r in rules if (d := r.describe(cfg)))

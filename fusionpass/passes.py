@@ -35,8 +35,11 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+import fusionpass.ops  # noqa: F401  (the custom ops the replacements call)
 from fusionpass import registry
 from fusionpass.config import Config
+from fusionpass.patterns import autocast, masks
+from fusionpass.patterns import graph as g
 
 # TORCH_LOGS="fusionpass" (or logging.getLogger("fusionpass").setLevel(logging.INFO)): each graph's
 # matches and near misses as the pass makes them; "+fusionpass" (DEBUG) adds the pass's own time per
@@ -167,15 +170,11 @@ class PreGradFusionPass(CustomGraphPass):
         self.replaced = replaced  # the hook's value before us, as the user set it (uninstall)
 
     def __call__(self, graph: fx.Graph) -> None:
-        import fusionpass.ops  # noqa: F401  (the custom ops the replacements call)
-
         from torch._guards import CompileContext
 
         trace_id = CompileContext.current_trace_id()
         record = registry.Record() if trace_id is None else registry.Record(
             compile_id=str(trace_id.compile_id), attempt=trace_id.attempt)
-        from fusionpass.patterns import autocast
-
         start = time.perf_counter()
         changed = autocast.make_explicit(graph) if self.config.fusions else 0
         record.seconds["(autocast casts)"] = time.perf_counter() - start
@@ -214,9 +213,6 @@ class PreGradFusionPass(CustomGraphPass):
         keep autocast's casts implicit, and its attention mask is an unprovable input. Here both
         come from this graph: autocast's casts under the state at the call, and masks proven
         through the call's operands (patterns/masks.proven_in_caller)."""
-        from fusionpass.patterns import autocast, masks
-        from fusionpass.patterns import graph as g
-
         bodies = g.checkpointed_bodies(graph)
         at = autocast.states(graph) if bodies else {}
         changed = 0

@@ -19,12 +19,16 @@ the per-fusion/per-variant counts without copying them.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
+import fusionpass.patterns as patterns_package
+from fusionpass import cost as cost_rules
 from fusionpass.patterns.graph import tensor, tensor_subclass, where
 
 if TYPE_CHECKING:
@@ -126,9 +130,7 @@ class Fusion:
     def selection(self) -> str:
         """When it is selected, in words: its cost rules (from their data, with the defaults and
         the settings holding them), then `selected_when`."""
-        from fusionpass.cost import describe
-
-        return "; ".join(t for t in (describe(self.cost), self.selected_when) if t)
+        return "; ".join(t for t in (cost_rules.describe(self.cost, default_settings()), self.selected_when) if t)
 
 
 def option(default, doc: str):
@@ -207,6 +209,13 @@ def registered() -> Mapping[str, Fusion]:
     return _DERIVED["registered"]
 
 
+def default_settings() -> SimpleNamespace:
+    """Every registered fusion's settings at their defaults, as attributes (what the cost rules that
+    name a setting read where no config is given: the docs and `fusionpass list`)."""
+    return SimpleNamespace(**{name: f.default for fusion in registered().values()
+                              for name, f in fusion.settings().items()})
+
+
 def fusion_names() -> tuple[str, ...]:
     """Every declared fusion, in run order: each after the fusions it names in `after`, ties by
     name (so the order does not depend on which module was imported first)."""
@@ -249,13 +258,8 @@ def _load() -> None:
     # needs no list to be added to.
     if _LOADED:
         return
-    import importlib
-    import pkgutil
-
-    import fusionpass.patterns as package
-
-    for info in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{info.name}")
+    for info in pkgutil.iter_modules(patterns_package.__path__):
+        importlib.import_module(f"{patterns_package.__name__}.{info.name}")
     _LOADED.append(True)
 
 
@@ -266,12 +270,10 @@ def _is_erased(node: fx.Node) -> bool:
 def _not_autotuned(fusion: Fusion, match: Match, config: Config) -> str | None:
     """The reason of a `NotAutotuned` cost rule of the fusion (read for every match here, not by
     each fusion's guards: it depends on the compile, not on the match's shapes)."""
-    from fusionpass.cost import NotAutotuned, mode
-
-    rules = [r for r in fusion.cost if isinstance(r, NotAutotuned)]
+    rules = [r for r in fusion.cost if isinstance(r, cost_rules.NotAutotuned)]
     if not rules:
         return None
-    training = mode(any(getattr(tensor(n), "requires_grad", False) for n in (match.anchor, *match.nodes)))
+    training = cost_rules.mode(any(getattr(tensor(n), "requires_grad", False) for n in (match.anchor, *match.nodes)))
     why = next((w for r in rules if (w := r.check(training, config)) is not None), None)
     return None if why is None else f"cost: {why}"
 
