@@ -1,4 +1,4 @@
-"""The act·mul kernels (fusionpass.kernels.swiglu) on the GPU against float64, eager and compiled, on
+"""The act·mul kernels (fusionpass.fusions.swiglu_mlp.kernels) on the GPU against float64, eager and compiled, on
 odd shapes down to one row and one column: Triton specializes an int argument of 1, which the CPU
 interpreter never does. Writes $OUT/actmul_check.json; "bad" lists NaNs and errors past a loose bound."""
 import json

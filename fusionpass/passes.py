@@ -70,12 +70,19 @@ _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 # committed GPU conformance result must carry (fusionpass.conformance.gate), so editing a report
 # or adding a conformance case neither invalidates users' caches nor the last GPU run.
 _NOT_COMPILED = ("cli.py", "explain.py", "bench.py", "bench_report.py", "demo.py", "reference.py", "conformance/")
+# In a fusion's folder (fusionpass.fusions), its conformance and benchmark cases.
+_NOT_COMPILED_IN_FUSIONS = ("cases.py", "bench.py")
+
+
+def _compiled(relative: pathlib.PurePath) -> bool:
+    if relative.as_posix().startswith(_NOT_COMPILED):
+        return False
+    return not (relative.parts[0] == "fusions" and relative.name in _NOT_COMPILED_IN_FUSIONS)
 
 
 def digest_files() -> list[pathlib.Path]:
-    """The source files the digest covers: patterns, kernels, ops, config and this machinery."""
-    return [p for p in sorted(_PACKAGE_DIR.rglob("*.py"))
-            if not p.relative_to(_PACKAGE_DIR).as_posix().startswith(_NOT_COMPILED)]
+    """The source files the digest covers: patterns, kernels, ops, fusions, config and this machinery."""
+    return [p for p in sorted(_PACKAGE_DIR.rglob("*.py")) if _compiled(p.relative_to(_PACKAGE_DIR))]
 
 
 def _source_digest() -> str:

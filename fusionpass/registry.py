@@ -19,16 +19,14 @@ the per-fusion/per-variant counts without copying them.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 from collections.abc import Callable, Mapping
 from types import MappingProxyType, SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
-import fusionpass.patterns as patterns_package
 from fusionpass import cost as cost_rules
+from fusionpass import fusions
 from fusionpass.patterns.graph import tensor, tensor_subclass, where
 
 if TYPE_CHECKING:
@@ -254,12 +252,11 @@ _LOADED = []
 
 
 def _load() -> None:
-    # Importing every module of fusionpass.patterns declares their fusions: a new fusion's module
-    # needs no list to be added to.
+    # Importing every fusion folder's pattern module declares the fusions: a new fusion's folder
+    # needs no list to be added to (fusionpass.fusions).
     if _LOADED:
         return
-    for info in pkgutil.iter_modules(patterns_package.__path__):
-        importlib.import_module(f"{patterns_package.__name__}.{info.name}")
+    fusions.modules("pattern")
     _LOADED.append(True)
 
 

@@ -553,7 +553,7 @@ ATTENTION_CASES = [
         (BF16, M513, True, None), (FP16, M77, False, None), (FP32, M1000, False, None),
     ]),
     # (the same AND the attention_mask's padding through torch.cond, causal/none_mask_if_unpadded,
-    # is CPU only: Inductor's CUDA lowering of the cond failed in every case, patterns/sdpa_runtime_check.py)
+    # is CPU only: Inductor's CUDA lowering of the cond failed in every case, fusions/sdpa_runtime_check/pattern.py)
     # attention written in torch ops -> fusionpass::flash_attention (on by default)
     *_cases("flash_attention", "eager_kernel", "gpt2-eager", GPT2, _kernel(), [
         (BF16, M77, True, None), (FP16, M513, True, None), (FP32, M1000, False, None), (BF16, M1000, False, None),

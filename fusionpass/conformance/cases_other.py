@@ -363,7 +363,7 @@ SWIGLU_FORMS = {
 # by default), and prefills of 134 and 389 rows (library GEMMs + the act*mul kernel; selected
 # with swiglu_mlp_kernel=True), odd widths throughout.
 SWIGLU_SHAPES = ((3, 1, 203, 517), (2, 67, 384, 1031), (1, 389, 515, 1377))
-DECODE_MAX_ROWS = 64  # fusionpass.kernels.swiglu.DECODE_MAX_M: the default cost rule's limit
+DECODE_MAX_ROWS = 64  # fusionpass.fusions.swiglu_mlp.kernels.DECODE_MAX_M: the default cost rule's limit
 
 
 def _swiglu_build(form, shape):
@@ -448,7 +448,7 @@ def _causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_
 class CausalLMHead(nn.Module):
     """HF *ForCausalLM: `logits = lm_head(hidden_states[:, slice_indices, :])`, Gemma-2's
     final_logit_softcapping when set, then ForCausalLMLoss. Training returns the loss only: the
-    fused op's logits are non-differentiable (patterns/cross_entropy.py), and a gradient through
+    fused op's logits are non-differentiable (fusions/linear_cross_entropy/pattern.py), and a gradient through
     them is not what training computes; inference returns (loss, logits) as the model does."""
 
     def __init__(self, hidden, vocab, softcap=None):

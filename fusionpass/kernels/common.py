@@ -17,7 +17,7 @@ _TILE = 2048
 MAX_ONE_PASS_FWD = 16384
 # Rows wider than the first and at most the second run in two passes over _TILE-column chunks
 # (see _fwd_chunk); rms_norm_residual's cost rule leaves those with a partial second chunk to
-# Inductor in inference (patterns/rms_norm.py, PARTIAL_CHUNK).
+# Inductor in inference (fusions/rms_norm_residual/pattern.py, PARTIAL_CHUNK).
 TWO_PASS_FWD = (_TILE, 2 * _TILE)
 
 

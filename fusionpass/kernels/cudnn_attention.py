@@ -2,7 +2,7 @@
 (its padding mask: `seq_len_kv`), forward and backward, through cudnn-frontend's Python graph API
 (the optional nvidia-cudnn-frontend wheel, the `cudnn` extra; torch's own cuDNN entry takes only
 cumulative lengths, whose offsets are those of a packed batch). fusionpass::padded_attention
-(fusionpass.ops.padded_attention) calls it for the mask every HF collator passes: right padding
+(fusionpass.fusions.flash_attention.padded_op) calls it for the mask every HF collator passes: right padding
 and all ones are a prefix of keys per row.
 
 Graphs are built once per shape, dtype, strides and flags, and bound to torch's current stream at

@@ -20,7 +20,7 @@ mask is classified by fusionpass.patterns.masks like SDPA's. ALiBi given as a [B
 is a per-key bias (the same for every query row): the kernel adds it as given (key_bias), so no
 proof about how it was built is needed; so is MPT's [H, 1, Lk] slice of its ALiBi tensor, and
 Falcon's [B, H, 1, Lk] one, in its scores and in its mask (`biased_mask`, also read by the SDPA
-route of fusionpass.patterns.flash_attention).
+route of fusionpass.fusions.flash_attention.pattern).
 
 Not matched (left to Inductor), each with its reason: a chain node read by anything else (the
 probabilities returned with output_attentions, a score hook), a bias that needs a gradient or is

@@ -18,9 +18,9 @@ from fusionpass.kernels.attention import (
     attention_dropout_mask,
     attention_fwd,
 )
-from fusionpass.kernels.layer_norm import dropout_mask
+from fusionpass.fusions.layer_norm_dropout_residual.kernels import dropout_mask
 from fusionpass.ops import host
-from fusionpass.ops.layer_norm import philox_keep16
+from fusionpass.fusions.layer_norm_dropout_residual.op import philox_keep16
 
 # The interpreter turns program ids into Python ints for range() through a deprecated numpy path.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -569,7 +569,7 @@ def test_reference_path_draws_the_kernels_bits(monkeypatch):
     # The ops' torch reference (CPU without the interpreter) and the kernels drop the same
     # elements: v = identity makes out[..., :Lk] the dropped, rescaled probabilities (no masking, so
     # every zero is a dropped element), at rows and keys that are not multiples of 8.
-    from fusionpass.ops import flash_attention as fa_ops
+    from fusionpass.fusions.flash_attention import op as fa_ops
 
     monkeypatch.setattr(fa_ops, "CPU_BLOCKS", SMALL)
     B, Hq, Hkv, Lq, Lk, D, p = 1, 2, 1, 13, 37, 64, 0.3

@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusionpass.kernels.cross_entropy import (
+from fusionpass.fusions.linear_cross_entropy.kernels import (
     CPU_TILING,
     ce_chunk,
     chunk_rows_for,
     linear_cross_entropy_fwd,
 )
-from fusionpass.ops.cross_entropy import _reference_step
+from fusionpass.fusions.linear_cross_entropy.op import _reference_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 

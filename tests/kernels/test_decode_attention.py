@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-import fusionpass.kernels.decode_attention as DA
-from fusionpass.kernels.decode_attention import decode_attention, default_num_splits
+import fusionpass.fusions.decode_attention.kernels as DA
+from fusionpass.fusions.decode_attention.kernels import decode_attention, default_num_splits
 
 # The interpreter turns program ids into Python ints for range() through a deprecated numpy path.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")

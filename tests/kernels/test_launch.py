@@ -4,9 +4,9 @@ torch's own analysis of the kernel, also under the CPU interpreter."""
 import pytest
 import torch
 
-from fusionpass.kernels import layer_norm as LN
+from fusionpass.fusions.layer_norm_dropout_residual import kernels as LN
 from fusionpass.kernels.launch import check_private_outputs, launcher, written_arguments
-from fusionpass.kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
+from fusionpass.fusions.layer_norm_dropout_residual.kernels import layer_norm_bwd, layer_norm_fwd
 from fusionpass.kernels.rope import rope
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from fusionpass.kernels.layer_norm import dropout_mask, layer_norm_bwd, layer_norm_fwd
+from fusionpass.fusions.layer_norm_dropout_residual.kernels import dropout_mask, layer_norm_bwd, layer_norm_fwd
 
 # The interpreter turns program ids into Python ints for range() through a deprecated numpy path.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")

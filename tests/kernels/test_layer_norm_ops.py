@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fusionpass  # noqa: F401  (registers the ops)
-from fusionpass.kernels.layer_norm import dropout_mask
-from fusionpass.ops.layer_norm import philox_keep
+from fusionpass.fusions.layer_norm_dropout_residual.kernels import dropout_mask
+from fusionpass.fusions.layer_norm_dropout_residual.op import philox_keep
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -106,7 +106,7 @@ def test_a_16_bit_operand_and_an_fp32_one_sum_in_fp32(monkeypatch, interpret, x_
 def test_two_16_bit_dtypes_are_refused():
     x, r, w, b = _inputs(BF16)
     with pytest.raises(ValueError, match="one must be float32 or both equal"):
-        from fusionpass.kernels.layer_norm import layer_norm_fwd
+        from fusionpass.fusions.layer_norm_dropout_residual.kernels import layer_norm_fwd
 
         layer_norm_fwd(x, r.half(), w, b, EPS)
 

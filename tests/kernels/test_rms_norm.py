@@ -7,7 +7,7 @@ straight-through rounding: the forward value is rounded, the gradient passes unc
 import pytest
 import torch
 
-from fusionpass.kernels.rms_norm import rms_norm_bwd, rms_norm_fwd
+from fusionpass.fusions.rms_norm_residual.kernels import rms_norm_bwd, rms_norm_fwd
 
 # The interpreter turns program ids into Python ints for range() through a deprecated numpy path.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")

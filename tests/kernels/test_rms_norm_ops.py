@@ -59,7 +59,7 @@ def test_autocast_residual_stream(monkeypatch, narrow):
 def test_16bit_x_with_fp32_residual_is_refused(monkeypatch):
     """The sum is rounded to x's dtype, so an fp32 residual on a 16-bit x would lose it: refused."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from fusionpass.kernels.rms_norm import rms_norm_fwd
+    from fusionpass.fusions.rms_norm_residual.kernels import rms_norm_fwd
 
     with pytest.raises(ValueError, match="residual must match x"):
         rms_norm_fwd(torch.randn(4, 67).bfloat16(), torch.randn(4, 67), None, 1e-5)

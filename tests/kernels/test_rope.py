@@ -9,7 +9,7 @@ import torch
 
 import fusionpass.ops  # noqa: F401  (registers fusionpass::rope)
 from fusionpass.kernels.rope import rope
-from fusionpass.ops.rope import reference
+from fusionpass.fusions.rope.op import reference
 
 FP32, BF16 = torch.float32, torch.bfloat16
 FORMS = ("rotate_half", "interleaved")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fusionpass.kernels.attention import attention_fwd
-from fusionpass.ops import flash_attention as fa_ops
+from fusionpass.fusions.flash_attention import op as fa_ops
 from fusionpass.ops import host
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")

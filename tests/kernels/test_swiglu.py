@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import assert_tensors_close
 
 import fusionpass.ops  # noqa: F401  (registers fusionpass::swiglu)
-from fusionpass.kernels.swiglu import act_mul_bwd, act_mul_fwd, swiglu_decode_fwd
+from fusionpass.fusions.swiglu_mlp.kernels import act_mul_bwd, act_mul_fwd, swiglu_decode_fwd
 
 ACTS = ["silu", "gelu_tanh"]
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

@@ -15,7 +15,7 @@ from helpers import assert_outcomes_close, compiling, fused_graph, make_backend,
 from torch._inductor.utils import run_and_get_code
 
 import fusionpass
-from fusionpass.ops import flash_attention as fa_ops
+from fusionpass.fusions.flash_attention import op as fa_ops
 
 transformers = pytest.importorskip("transformers")
 

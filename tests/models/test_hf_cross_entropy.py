@@ -25,7 +25,7 @@ from helpers import (
 
 import fusionpass
 from fusionpass.demo import tiny_hf
-from fusionpass.patterns.cross_entropy import ANOTHER_GRAPH
+from fusionpass.fusions.linear_cross_entropy.pattern import ANOTHER_GRAPH
 
 FUSION = "linear_cross_entropy"
 RTOL_FP32 = 1e-4

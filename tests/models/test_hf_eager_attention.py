@@ -12,7 +12,7 @@ import torch
 from helpers import ATTENTION, attention_key, assert_outcomes_close, compile_and_count, compiling, fused_graph, near_misses, run
 
 import fusionpass
-from fusionpass.ops import flash_attention as fa_ops
+from fusionpass.fusions.flash_attention import op as fa_ops
 
 transformers = pytest.importorskip("transformers")
 

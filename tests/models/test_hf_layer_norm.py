@@ -2,7 +2,7 @@
 hidden size 64, 2 layers): BERT MLM (eager and sdpa attention), GPT-2, GPT-NeoX (parallel and
 sequential residual) and OPT, in training and inference.
 
-Per model, what the Dynamo graph offers (see fusionpass/patterns/layer_norm.py):
+Per model, what the Dynamo graph offers (see fusionpass/fusions/layer_norm_dropout_residual/pattern.py):
   - BERT: two post-LN blocks per layer, LN(dropout(dense(x)) + input); the embedding LayerNorm
     reads a broadcast position-embedding sum and the MLM head's a GELU: not candidates.
   - GPT-2 / GPT-NeoX sequential: every LayerNorm but layer 0's first reads residual + dropout(.)

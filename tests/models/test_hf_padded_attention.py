@@ -17,7 +17,7 @@ from helpers import assert_outcomes_close, compile_and_count, near_misses  # noq
 from models.test_hf_attention import KERNEL_WIDTHS, LAYERS, build, inputs  # noqa: E402
 
 from fusionpass.kernels.cudnn_attention import Refused  # noqa: E402
-from fusionpass.ops import padded_attention as op  # noqa: E402
+from fusionpass.fusions.flash_attention import padded_op as op  # noqa: E402
 
 ATTENTION = ["flash_attention"]
 VARIANTS = {"llama": "causal_kernel_padded", "bert": "none_kernel_padded"}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assert_outcomes_close, compile_and_count, compiling, fused_graph, near_misses, run
 
-from fusionpass.ops import flash_attention as fa_ops
+from fusionpass.fusions.flash_attention import op as fa_ops
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,7 +135,7 @@ def _llama_graph():
 
 def _apply_rope_attention(gm, cfg):
     from fusionpass import registry
-    from fusionpass.patterns.rope_attention import ROPE_ATTENTION
+    from fusionpass.fusions.rope_attention.pattern import ROPE_ATTENTION
 
     record = registry.Record()
     registry.apply(ROPE_ATTENTION, gm.graph, cfg, record)

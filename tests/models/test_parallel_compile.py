@@ -102,7 +102,7 @@ def test_parallel_training_step(case, tmp_path):
 
 def test_sequence_parallel_norms_match(tmp_path):
     """torchtitan's TP plan: norms on Shard(1) DTensors and vocab-sharded logits under
-    loss_parallel. The norm ops' sharding rules (ops/rms_norm.py) let every norm match, each rank
+    loss_parallel. The norm ops' sharding rules (fusions/rms_norm_residual/op.py) let every norm match, each rank
     normalizing its own rows, and the step equals plain compile's, the norm weights' gradients
     (summed over the shards) included."""
     results = run_case(pw.Case("llama", "tp_sp"), tmp_path)

@@ -26,7 +26,7 @@ from helpers import assert_outcomes_close, compiling, make_backend, near_misses,
 
 import fusionpass
 from fusionpass.passes import STATISTICS
-from fusionpass.patterns.cross_entropy import ANOTHER_GRAPH
+from fusionpass.fusions.linear_cross_entropy.pattern import ANOTHER_GRAPH
 
 RMS, ROPE, SWIGLU, LCE = "rms_norm_residual", "rope", "swiglu_mlp", "linear_cross_entropy"
 RTOL_FP32 = 1e-4  # as the HF model tests: whole blocks, reductions in another order

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from helpers import ATTENTION, attention_key, assert_outcomes_close, compile_and_count, eager, fused_graph, near_misses
 from torch import nn
 
-from fusionpass.ops import flash_attention as fa_ops
+from fusionpass.fusions.flash_attention import op as fa_ops
 from patterns.test_attention_masks import attention_mask, causal, sdpa_mask
 
 B, H, S, D = 2, 2, 8, 64

@@ -13,7 +13,7 @@ from helpers import ATTENTION, assert_outcomes_close, compile_and_count, compili
 import fusionpass
 from patterns.test_attention_masks import Attention, attention_mask, counts
 
-from fusionpass.ops import flash_attention as fa_ops
+from fusionpass.fusions.flash_attention import op as fa_ops
 
 B, H, S, D = 2, 2, 8, 64
 FLASH = torch.ops.fusionpass.flash_attention.default

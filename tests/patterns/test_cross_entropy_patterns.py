@@ -296,7 +296,7 @@ def test_fused_graph():
     want_loss, want_logits = module(h, labels)
     torch.testing.assert_close(loss, want_loss)
     torch.testing.assert_close(logits, want_logits)
-    assert not logits.requires_grad  # see the module docstring of patterns/cross_entropy.py
+    assert not logits.requires_grad  # see the module docstring of fusions/linear_cross_entropy/pattern.py
 
 
 def test_dynamic_sequence_length():

@@ -12,7 +12,7 @@ import torch
 from helpers import assert_tensors_close, compiling, near_misses
 
 import fusionpass
-from fusionpass.ops import decode_attention as decode_ops
+from fusionpass.fusions.decode_attention import op as decode_ops
 
 transformers = pytest.importorskip("transformers")
 

@@ -31,7 +31,7 @@ from torch import nn
 
 import fusionpass
 from fusionpass import config as config_mod
-from fusionpass.kernels.layer_norm import dropout_mask
+from fusionpass.fusions.layer_norm_dropout_residual.kernels import dropout_mask
 from fusionpass.passes import STATISTICS, PreGradFusionPass
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -574,7 +574,7 @@ def test_cpu_graph_left_alone_by_default(monkeypatch):
 
 
 def test_width_cost_rule_default(monkeypatch):
-    """The default rule: training 768..8192, inference 2048..4096 (patterns/layer_norm.py WIDTH); the
+    """The default rule: training 768..8192, inference 2048..4096 (fusions/layer_norm_dropout_residual/pattern.py WIDTH); the
     environment overrides each bound."""
     monkeypatch.delenv("FUSIONPASS_LAYER_NORM_MIN_WIDTH")
     monkeypatch.delenv("FUSIONPASS_LAYER_NORM_INFERENCE_MIN_WIDTH")

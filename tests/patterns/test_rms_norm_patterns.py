@@ -330,7 +330,7 @@ def test_torch_rms_norm_over_two_dims_is_a_near_miss():
 def test_torch_rms_norm_order_read_from_torch():
     """This torch applies rms_norm's weight before the downcast (its _fused_rms_norm
     decomposition); the variant reads the order from torch rather than assuming it."""
-    from fusionpass.patterns import rms_norm
+    from fusionpass.fusions.rms_norm_residual import pattern as rms_norm
 
     assert rms_norm.torch_rms_norm_weight_after_cast() is False
 
@@ -692,7 +692,7 @@ def forward(self, L_x_, L_r_, L_self_modules_norm_parameters_weight_):
 )
 def test_width_rule_by_mode(width, train, reason):
     """Training takes rows up to 8192, inference up to 4096 and not 2049..4095 (the default rule,
-    patterns/rms_norm.py WIDTH and PARTIAL_CHUNK). The rule is read from the graph: no_grad makes it inference."""
+    fusions/rms_norm_residual/pattern.py WIDTH and PARTIAL_CHUNK). The rule is read from the graph: no_grad makes it inference."""
 
     class AddNorm(nn.Module):
         def __init__(self):

@@ -181,7 +181,7 @@ def test_graph_has_one_call(opted_in):
 
 
 def test_cost_rule(monkeypatch):
-    # by default: at least 64 positions and at most 96 MiB of q and k (patterns/rope.py POSITIONS, SIZE)
+    # by default: at least 64 positions and at most 96 MiB of q and k (fusions/rope/pattern.py POSITIONS, SIZE)
     monkeypatch.delenv("FUSIONPASS_ROPE_KERNEL", raising=False)
     _, stats = compile_and_count(LlamaRope(), *_qk(), fusions=[FUSION])
     assert stats == {} and near_misses("cost: positions 7 < 64")

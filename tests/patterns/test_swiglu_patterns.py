@@ -274,7 +274,7 @@ def test_only_a_factor_of_2_31_stays_with_inductor():
     # (8B widths at S=180224 were failing when the kernels took the count)
     from types import SimpleNamespace
 
-    from fusionpass.patterns import swiglu
+    from fusionpass.fusions.swiglu_mlp import pattern as swiglu
 
     graph = torch.fx.Graph()
     h = graph.placeholder("h")

@@ -1,6 +1,6 @@
 """What every attention kernel shares (fusionpass.kernels.attention says the math): constants, and
 jitted helpers for loads, scores and their masks, the key and query ranges a block visits, packed
-sequences, ALiBi and the dropout row counter. The decode kernel (fusionpass.kernels.decode_attention)
+sequences, ALiBi and the dropout row counter. The decode kernel (fusionpass.fusions.decode_attention.kernels)
 uses them too."""
 from __future__ import annotations
 

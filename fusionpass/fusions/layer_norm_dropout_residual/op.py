@@ -1,6 +1,6 @@
 """fusionpass::layer_norm_dropout_residual and its backward: triton_ops (CUDA), host custom ops (CPU), autograd.
 
-The forward computes, per row of the last dimension (see fusionpass.kernels.layer_norm),
+The forward computes, per row of the last dimension (see fusionpass.fusions.layer_norm_dropout_residual.kernels),
     d = dropout(x, p)                          keep ? round(x * s) : 0      (d = x when p == 0)
     h = round(d + residual)                    (h = d without a residual)
     y = round((h - mean) * rstd * weight + bias)
@@ -35,7 +35,7 @@ def _rows(t: Tensor) -> Tensor:
 # the seed, counter (col // 4, row, 0, 0), word col % 4, kept iff >= round(p * 2**32) -- so a CPU
 # run and an interpreted run drop the same elements, and the backward matches the forward.
 # `philox_keep16` mirrors attention dropout's 16-bit variant of the same stream (its CPU reference
-# lives in fusionpass.ops.flash_attention).
+# lives in fusionpass.fusions.flash_attention.op).
 
 
 def _dropout_constants(p: float) -> tuple[int, float]:
@@ -142,14 +142,14 @@ def _reference_backward(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweig
 
 
 def _kernel_forward(x, residual, weight, bias, seed, eps, p, store_h):
-    from fusionpass.kernels.layer_norm import layer_norm_fwd
+    from fusionpass.fusions.layer_norm_dropout_residual.kernels import layer_norm_fwd
 
     return layer_norm_fwd(x, residual, weight, bias, eps, p=p, seed=seed, store_h=store_h)
 
 
 def _kernel_backward(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual,
                      x_dtype, residual_dtype):
-    from fusionpass.kernels.layer_norm import layer_norm_bwd
+    from fusionpass.fusions.layer_norm_dropout_residual.kernels import layer_norm_bwd
 
     return layer_norm_bwd(
         dy, dh, h, mean, rstd, weight, bias, p=p, seed=seed, need_dweight=need_dweight,
@@ -253,7 +253,7 @@ def _(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, ne
 # ---------------------------------------------------------------------------------------------
 # public ops: triton_ops, so that on CUDA torch.compile traces into them and Inductor launches the
 # kernels from its generated code (as opaque custom ops, their Python dispatch costs as much host
-# time as the kernel itself, see ops/rms_norm.py).
+# time as the kernel itself, see fusions/rms_norm_residual/op.py).
 
 
 def _check_dropout(p: float, seed: Tensor | None) -> None:

@@ -9,14 +9,14 @@ weight is passed as two row slices (views). In inference the down projection sta
 reading h; in training it joins the op (below).
 
 Cost rule (ROWS; why: benchmarks/results/latest/swiglu_mlp.md): in inference, selected for
-decode-sized rows, at most the decode kernel's rows (kernels/swiglu.py, DECODE_MAX_M) known
+decode-sized rows, at most the decode kernel's rows (fusions/swiglu_mlp/kernels.py, DECODE_MAX_M) known
 statically, where one kernel reads both weights once; for more rows the library GEMMs with
 Inductor's fused act*mul are as fast. Config.swiglu_mlp_kernel (FUSIONPASS_SWIGLU_MLP_KERNEL=1)
 selects it everywhere it matches.
 
 In training (RECOMPUTE, Config.swiglu_mlp_recompute_product, on by default) the op replaces the
 down projection too: fusionpass::swiglu_down(x, ..., W_down, b_down, act)[0] takes the down
-linear's place, and its backward recomputes h from g and u instead of keeping it (ops/swiglu.py):
+linear's place, and its backward recomputes h from g and u instead of keeping it (fusions/swiglu_mlp/op.py):
 one ffn-wide tensor per token fewer kept for the backward, for one elementwise pass
 (benchmarks/results/memory/). Without it (=0), training keeps Inductor's code, whose partitioner
 keeps h next to g and u.
@@ -32,7 +32,7 @@ from torch import fx
 
 from fusionpass import registry
 from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Range, Switch, mode
-from fusionpass.kernels.swiglu import DECODE_MAX_M
+from fusionpass.fusions.swiglu_mlp.kernels import DECODE_MAX_M
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, Variant, option
 

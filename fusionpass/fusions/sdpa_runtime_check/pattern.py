@@ -21,7 +21,7 @@ from fusionpass import registry
 from fusionpass.patterns import graph as g
 from fusionpass.patterns import masks
 from fusionpass.patterns import sdpa
-from fusionpass.patterns import sdpa_mask
+from fusionpass.fusions.sdpa_mask import pattern as sdpa_mask
 from fusionpass.registry import Fusion, Guard, Match, Variant, option
 
 
@@ -53,7 +53,7 @@ def run_time_check_allowed(m: Match, cfg) -> str | None:
         return (
             "key padding from a run-time attention_mask; the all-true check (torch.cond) is off "
             "by default (attention_runtime_check=True / FUSIONPASS_ATTENTION_RUNTIME_CHECK=1 turns "
-            "it on; see fusionpass/patterns/sdpa_runtime_check.py for why)"
+            "it on; see fusionpass/fusions/sdpa_runtime_check/pattern.py for why)"
         )
     if g.tensor(m.bindings["args"]["query"]).device.type == "cuda":
         # switched off on CUDA: Inductor's lowering of the torch.cond failed there with an output

@@ -6,7 +6,7 @@
 q [B, Hq, Lq, D] (Lq <= 16), k [B, Hkv, L, D] and v [B, Hkv, L, Dv] (the cache, any strides,
 Hq % Hkv == 0, read without repeat; Dv = D but for MLA), kv_lengths [B] int32 (None: all L):
 valid keys per batch row; query i sits at position kv_lengths[b] - Lq + i and sees the keys at or
-before it that key_padding ([B, L] bool, or None) keeps (fusionpass/kernels/decode_attention.py).
+before it that key_padding ([B, L] bool, or None) keeps (fusionpass/fusions/decode_attention/kernels.py).
 On CPU: the kernel under TRITON_INTERPRET=1 (tests), else a torch reference with the same mask.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _all_keys(q: Tensor, k: Tensor) -> Tensor:
 
 
 def _kernel(q, k, v, kv_lengths, key_padding, scale, launch=None):
-    from fusionpass.kernels.decode_attention import decode_attention as kernel
+    from fusionpass.fusions.decode_attention.kernels import decode_attention as kernel
 
     kv_lengths = _all_keys(q, k) if kv_lengths is None else kv_lengths
     return kernel(q, k, v, kv_lengths, scale=scale, key_padding=key_padding, **(launch or {}))

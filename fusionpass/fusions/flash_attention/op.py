@@ -20,12 +20,12 @@ window 2w + 1 at diagonal w),
 segments [B, L] integer (Lq == Lk == L) or None: key j is visible to query i only where
 segments[b, i] == segments[b, j] (packed sequences; each row nondecreasing),
 dropout_p > 0 needs `seed` (a one-element int64 tensor). The math, the RNG and the rows that see
-no key (out 0, lse EMPTY_LSE) are those of fusionpass/kernels/attention.py.
+no key (out 0, lse EMPTY_LSE) are those of fusionpass/kernels/attention.
 
 Output layout: `out` is [B, Hq, Lq, D]; contiguous by default, or with `token_major=True` laid out
 as a [B, Lq, Hq, D] buffer (strides (Lq*Hq*D, D, Hq*D, 1), what PyTorch's flash/cuDNN SDPA
 return), so that the `out.transpose(1, 2).reshape(B, Lq, Hq*D)` every HF model does before its
-output projection is a view instead of a copy kernel (fusionpass.patterns.attention_out_proj sets
+output projection is a view instead of a copy kernel (fusionpass.fusions.attention_out_proj.pattern sets
 it). The fake impls report the same strides as the real ones (Inductor lays out the buffers from
 them). lse is [B, Hq, Lq] fp32 contiguous either way. The backward reads `out` and `dout` with
 any strides (the kernels take them), so a token-major `out` and the strided `dout` the backward of
@@ -34,7 +34,7 @@ that view hands back need no copies; dq/dk/dv are laid out as before.
 RoPE in the kernel: with rope_cos/rope_sin (4-d, last dim rotary_dim, broadcastable to
 [B, Hq, Lq, rotary_dim], no gradient), rope_form "rotate_half" or "interleaved", q is the
 *unrotated* query and the forward rotates it as it loads it (`q * cos + rot(q) * sin`, the map of
-fusionpass::rope), so the rotated q is never written (fusionpass.patterns.rope_attention sets this).
+fusionpass::rope), so the rotated q is never written (fusionpass.fusions.rope_attention.pattern sets this).
 The backward makes the rotated q with one fusionpass::rope launch for the backward kernels and
 rotates dq back with fusionpass::rope_backward, as the unfused graph's rope backward would.
 
@@ -146,7 +146,7 @@ def visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, device, 
 def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
                segments=None):
     from fusionpass.kernels.attention import EMPTY_LSE, attention_dropout_constants
-    from fusionpass.ops.layer_norm import philox_keep16
+    from fusionpass.fusions.layer_norm_dropout_residual.op import philox_keep16
 
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
@@ -201,7 +201,7 @@ def _forward_host(
         out, lse = _kernel_forward(*args, token_major=token_major, rope=rope, blocks=CPU_BLOCKS)
     else:
         if rope is not None:
-            from fusionpass.ops.rope import reference as rotate
+            from fusionpass.fusions.rope.op import reference as rotate
 
             args = (rotate(q, rope_cos, rope_sin, rope_form, rotary_dim, False), *args[1:])
         out, lse = _reference(*args)

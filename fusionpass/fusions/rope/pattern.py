@@ -14,7 +14,7 @@ Cost rule (`cost_rule`, the rules POSITIONS, SIZE and INTERLEAVED_SIZE): selecte
 k together are small enough and the rotation covers enough positions (rope_max_bytes,
 rope_interleaved_max_bytes, rope_min_tokens; why: benchmarks/results/latest/rope.md).
 rope_kernel=True / FUSIONPASS_ROPE_KERNEL=1 routes every match. Where the rotated q feeds fusionpass's attention
-kernel, patterns/rope_attention.py moves q's rotation into that kernel instead (with or without
+kernel, fusions/rope_attention/pattern.py moves q's rotation into that kernel instead (with or without
 this fusion).
 """
 from __future__ import annotations

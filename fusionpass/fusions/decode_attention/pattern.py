@@ -1,5 +1,5 @@
 """decode_attention: a few query tokens attending over a static KV cache -> fusionpass::decode_attention
-(the split-KV kernel of fusionpass/kernels/decode_attention.py).
+(the split-KV kernel of fusionpass/fusions/decode_attention/kernels.py).
 
 transformers 5.x with a StaticCache, in a decode (or speculative-verification) step, calls
     SDPA(q [B, Hq, Lq, D], repeat_kv(cache_k), repeat_kv(cache_v), attn_mask=mask, scale=s)
@@ -38,7 +38,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusionpass import registry
 from fusionpass.cost import Range
-from fusionpass.kernels.decode_attention import HEAD_DIMS, MAX_Q_LEN
+from fusionpass.fusions.decode_attention.kernels import HEAD_DIMS, MAX_Q_LEN
 from fusionpass.patterns import eager_attention as eager
 from fusionpass.patterns import graph as g
 from fusionpass.patterns import masks

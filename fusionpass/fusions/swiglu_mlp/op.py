@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusionpass.kernels.swiglu import ACTIVATIONS, DECODE_MAX_M
+from fusionpass.fusions.swiglu_mlp.kernels import ACTIVATIONS, DECODE_MAX_M
 from fusionpass.ops import host
 
 
@@ -49,7 +49,7 @@ def _rows(x: Tensor) -> int:
 
 
 def _kernel_forward(x, w_gate, b_gate, w_up, b_up, activation):
-    from fusionpass.kernels import swiglu as k
+    from fusionpass.fusions.swiglu_mlp import kernels as k
 
     if _rows(x) <= DECODE_MAX_M:
         return k.swiglu_decode_fwd(x, w_gate, b_gate, w_up, b_up, activation)
@@ -60,12 +60,12 @@ def _kernel_forward(x, w_gate, b_gate, w_up, b_up, activation):
 
 
 def _kernel_backward(dh, g, u, activation):
-    from fusionpass.kernels.swiglu import act_mul_bwd
+    from fusionpass.fusions.swiglu_mlp.kernels import act_mul_bwd
 
     return act_mul_bwd(dh, g, u, activation)
 
 
-# CPU tensors go through opaque custom ops (see ops/rms_norm.py): the interpreted kernel under
+# CPU tensors go through opaque custom ops (see fusions/rms_norm_residual/op.py): the interpreted kernel under
 # TRITON_INTERPRET=1, else the torch reference.
 
 
@@ -190,7 +190,7 @@ def _reference_act_mul(g, u, activation):
 def _act_mul_host(g: Tensor, u: Tensor, activation: str) -> Tensor:
     _check(activation)
     if host.interpreting():
-        from fusionpass.kernels.swiglu import act_mul_fwd
+        from fusionpass.fusions.swiglu_mlp.kernels import act_mul_fwd
 
         return act_mul_fwd(g, u, activation).contiguous()
     return _reference_act_mul(g, u, activation).contiguous()
@@ -204,7 +204,7 @@ def _(g, u, activation):
 def _act_mul(g: Tensor, u: Tensor, activation: str) -> Tensor:
     if g.device.type != "cuda":
         return _act_mul_host(g, u, activation)
-    from fusionpass.kernels.swiglu import act_mul_fwd
+    from fusionpass.fusions.swiglu_mlp.kernels import act_mul_fwd
 
     return act_mul_fwd(g, u, activation)
 

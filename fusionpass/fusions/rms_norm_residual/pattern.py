@@ -453,7 +453,7 @@ RMS_NORM_RESIDUAL = registry.register(
             "per-channel weight; training: the norm is differentiated"
         ),
         anchor=lambda node: g.is_op(node, "rsqrt") or is_torch_rms_norm(node),
-        dtensor=True,  # sharding rules in ops/rms_norm.py (rows sharded, the weight replicated)
+        dtensor=True,  # sharding rules in fusions/rms_norm_residual/op.py (rows sharded, the weight replicated)
         variants=(
             *(
                 Variant(f"{name}{suffix}", _search(name, form, residual))

@@ -82,7 +82,7 @@ def _library_forward(q, k, v, seq_kv, scale, causal):
         from fusionpass.kernels.cudnn_attention import padded_fwd
 
         return padded_fwd(q, k, v, seq_kv, scale=scale, causal=causal)
-    from fusionpass.ops.flash_attention import _reference
+    from fusionpass.fusions.flash_attention.op import _reference
 
     return _reference(q, k, v, _prefix_mask(seq_kv, k.shape[2]), None, scale, causal, 0, False, 0, 0.0, None)
 
@@ -92,7 +92,7 @@ def _library_backward(do, q, k, v, out, lse, seq_kv, scale, causal):
         from fusionpass.kernels.cudnn_attention import padded_bwd
 
         return padded_bwd(do, q, k, v, out, lse, seq_kv, scale=scale, causal=causal)
-    from fusionpass.ops.flash_attention import _reference_backward
+    from fusionpass.fusions.flash_attention.op import _reference_backward
 
     return _reference_backward(do, q, k, v, out, lse, _prefix_mask(seq_kv, k.shape[2]), None, scale, causal, 0,
                                False, 0, 0.0, None)
@@ -116,7 +116,7 @@ def _kernel_forward(q, k, v, key_padding, scale, causal, library=None, prefix=No
     """Our kernel on every row, or on the rows that are not prefix rows, written into `library`
     (cuDNN's out and lse), whose prefix rows it neither reads nor writes (`skip_batches`)."""
     if _ours_on_torch(q):
-        from fusionpass.ops.flash_attention import _reference
+        from fusionpass.fusions.flash_attention.op import _reference
 
         ours = _reference(q, k, v, key_padding, None, scale, causal, 0, False, 0, 0.0, None)
         return ours if library is None else tuple(_by_row(prefix, a, b) for a, b in zip(library, ours))
@@ -132,7 +132,7 @@ def _kernel_backward(do, q, k, v, out, lse, key_padding, scale, causal, library=
     """`_kernel_forward`'s backward: dq, dk, dv of every row, or of the rows that are not prefix
     rows, written into `library` (cuDNN's dq, dk, dv)."""
     if _ours_on_torch(q):
-        from fusionpass.ops.flash_attention import _reference_backward
+        from fusionpass.fusions.flash_attention.op import _reference_backward
 
         ours = _reference_backward(do, q, k, v, out, lse, key_padding, None, scale, causal, 0, False, 0, 0.0, None)
         return ours if library is None else tuple(_by_row(prefix, a, b) for a, b in zip(library, ours))

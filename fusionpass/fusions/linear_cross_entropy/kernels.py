@@ -18,14 +18,14 @@ That is the three GEMMs a training step needs and no more (recomputing the logit
 as cut-cross-entropy does, costs a fourth GEMM; benchmarks/results/latest/linear_cross_entropy.md), while the
 only extra memory is one logits block (`chunk_bytes`) and the fp32 per-token losses: the fp32
 [N, V] logits, the probabilities and a separate logits gradient never exist. The backward of the op
-only scales dh/dW/db by grad_output (ops/cross_entropy.py).
+only scales dh/dW/db by grad_output (fusions/linear_cross_entropy/op.py).
 
 dW accumulates over token chunks in the weight dtype (addmm with beta=1; each GEMM accumulates in
 fp32), so a bf16 dW sees one rounding per chunk instead of one in all: with the default chunk at
 N8192 V128256 that is 8 roundings. Larger chunks mean fewer.
 
 The GEMMs are torch.matmul (cuBLAS on CUDA). On CPU tensors the same driver runs the Triton kernel
-under TRITON_INTERPRET=1, or any `step` with the kernel's contract (ops/cross_entropy.py passes a
+under TRITON_INTERPRET=1, or any `step` with the kernel's contract (fusions/linear_cross_entropy/op.py passes a
 torch reference when there is no interpreter).
 """
 from __future__ import annotations
@@ -217,7 +217,7 @@ def ce_chunk(
     lo = capped_out if capped_out is not None else z
     with _device_guard(z.device):
         # A plain launch even on CUDA: the op calling this is opaque to torch.compile (see
-        # ops/cross_entropy.py), so there is no graph for wrap_triton to trace into.
+        # fusions/linear_cross_entropy/op.py), so there is no graph for wrap_triton to trace into.
         _ce_row_kernel[(rows,)](
             z, g, lo, labels, loss_out, scale,
             vocab, z.stride(0), g.stride(0), lo.stride(0),

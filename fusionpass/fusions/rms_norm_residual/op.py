@@ -99,7 +99,7 @@ def _(dy, dh, h, rstd, weight, weight_offset, weight_after_cast, need_dweight):
 
 
 def _kernel_forward(x, residual, weight, eps, weight_offset, weight_after_cast):
-    from fusionpass.kernels.rms_norm import rms_norm_fwd
+    from fusionpass.fusions.rms_norm_residual.kernels import rms_norm_fwd
 
     shape = x.shape
     y, h, rstd = rms_norm_fwd(
@@ -115,7 +115,7 @@ def _kernel_forward(x, residual, weight, eps, weight_offset, weight_after_cast):
 
 
 def _kernel_backward(dy, dh, h, rstd, weight, weight_offset, weight_after_cast, need_dweight):
-    from fusionpass.kernels.rms_norm import rms_norm_bwd
+    from fusionpass.fusions.rms_norm_residual.kernels import rms_norm_bwd
 
     dx, dweight = rms_norm_bwd(
         _rows(dy),

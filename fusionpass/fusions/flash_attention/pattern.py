@@ -1,5 +1,5 @@
 """flash_attention: attention the model computes in a slow form -> fusionpass::flash_attention, our
-FlashAttention-2 style kernel (fusionpass/kernels/attention.py), forward and backward.
+FlashAttention-2 style kernel (fusionpass/kernels/attention), forward and backward.
 
 On by default, where SDPA has no fast kernel for what the model computes:
   - attention written in torch ops (BLOOM's baddbmm with ALiBi, MPT, Falcon, GPT-2's matmuls; see

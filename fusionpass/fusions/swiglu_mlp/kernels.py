@@ -138,7 +138,7 @@ def _act_mul_fwd_kernel(G, U, H, rows, cols, ACT: tl.constexpr, ROUND_BITS: tl.c
                         BLOCK: tl.constexpr):
     DT: tl.constexpr = H.dtype.element_ty
     # the element count as rows x cols, multiplied here in int64: torch 2.11's Inductor cannot
-    # pass a static integer of 2^31 or more to a user-defined kernel (patterns/swiglu.py). tl.cast,
+    # pass a static integer of 2^31 or more to a user-defined kernel (fusions/swiglu_mlp/pattern.py). tl.cast,
     # not .to: Triton specializes an argument equal to 1 into a plain int.
     numel = tl.cast(rows, tl.int64) * cols
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -1,5 +1,5 @@
 """fusionpass::linear_cross_entropy: the lm_head GEMM and the cross-entropy loss in one op, with
-the gradients computed in its forward (kernels/cross_entropy.py) and scaled in its backward.
+the gradients computed in its forward (fusions/linear_cross_entropy/kernels.py) and scaled in its backward.
 
     loss, logits, dh, dw, db = linear_cross_entropy(h, weight, bias, labels, ignore_index,
         label_smoothing, softcap, softcap_rounded, reduction, upcast, return_logits,
@@ -42,7 +42,7 @@ def _reference_step(
     z, labels, loss_out, scale, *, grad_out=None, capped_out=None, ignore_index=-100,
     label_smoothing=0.0, softcap=0.0, softcap_rounded=True, block_v=None, num_warps=None,
 ):
-    """The row step of kernels/cross_entropy.ce_chunk in torch (fp32 temporaries of the block)."""
+    """The row step of kernels.ce_chunk (this folder) in torch (fp32 temporaries of the block)."""
     vocab = z.shape[1]
     zf = z.float()
     t = None
@@ -77,7 +77,7 @@ def _reference_step(
 
 def _forward(h, weight, bias, labels, ignore_index, label_smoothing, softcap, softcap_rounded,
              reduction, return_logits, need_dh, need_dw, need_db):
-    from fusionpass.kernels.cross_entropy import linear_cross_entropy_fwd
+    from fusionpass.fusions.linear_cross_entropy.kernels import linear_cross_entropy_fwd
 
     step = None if h.device.type == "cuda" or host.interpreting() else _reference_step
     lead = h.shape[:-1]

@@ -1,7 +1,7 @@
 """rope_attention: the rotary embedding of q moves into the attention kernel that reads it.
 
 Runs after `flash_attention`. Its anchor is a fusionpass::flash_attention call whose query is a rotated
-tensor, as the models write it (patterns/rope.py: HF `q * cos + rotate_half(q) * sin`, GPT-J's
+tensor, as the models write it (fusions/rope/pattern.py: HF `q * cos + rotate_half(q) * sin`, GPT-J's
 interleaved `rotate_every_two`, partial rotary's `cat([rotated, pass], -1)`), or the q output of a
 fusionpass::rope call (with rope_kernel on), possibly followed by
   - `permute(0, 2, 1, 3)` / `transpose(1, 2)`: GPT-J rotates [B, S, H, D] and permutes after;
@@ -34,7 +34,7 @@ from torch import fx
 
 from fusionpass import registry
 from fusionpass.patterns import graph as g
-from fusionpass.patterns import rope as rope_patterns
+from fusionpass.fusions.rope import pattern as rope_patterns
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
 
 

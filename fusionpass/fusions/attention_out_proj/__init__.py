@@ -1,0 +1,1 @@
+"""The attention_out_proj fusion: attention + head merge + output projection."""

@@ -1,0 +1,1 @@
+"""The flash_attention fusion: SDPA and eager attention with masks the kernel takes (causal padding, ALiBi, windows, packed sequences) in fusionpass's attention kernel, or cuDNN where it is selected."""

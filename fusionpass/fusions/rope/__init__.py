@@ -1,0 +1,1 @@
+"""The rope fusion: rotary position embedding of q and k."""

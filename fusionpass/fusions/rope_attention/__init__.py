@@ -1,0 +1,1 @@
+"""The rope_attention fusion: q's rotation inside the attention kernel."""
