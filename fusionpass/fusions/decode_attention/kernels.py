@@ -18,7 +18,7 @@ Math (per batch b, query head h, kv head hk = h // GROUP, GROUP = Hq // Hkv; nat
 Padded keys inside the valid length (key_padding False, j < n_b) are still read: as with a masked
 SDPA, their k and v must be finite (those of pad tokens are); keys j >= n_b are never read.
 Softmax in fp32 and base 2: scores are pre-multiplied by log2(e) (folded into the scale, and into
-the ALiBi slope) and exponentiated with exp2, as in attention.py.
+the ALiBi slope) and exponentiated with exp2, as in fusionpass.kernels.attention.
 
 Split / combine structure
 -------------------------
@@ -36,7 +36,7 @@ split whose keys are all padded then stores the "nothing visible" marker below (
 It writes fp32 partials, normalized within the split:
     o_part[b, h, i, s, :] = sum_{visible j in split} exp2(s2_ij - lse2_is) v_j
     lse_part[b, h, i, s]  = log2 sum_{visible j in split} exp2(s2_ij)   (-inf: nothing visible)
-with s2 = s * log2(e) (base 2; these buffers are internal, unlike attention.py's natural-log lse
+with s2 = s * log2(e) (base 2; these buffers are internal, unlike fusionpass.kernels.attention's natural-log lse
 and its EMPTY_LSE convention). Kernel 2 (`_combine_kernel`), one program per (b, h, i), reads
 only the splits that stored something (s < cdiv(n_b, chunk)) and combines them with
 max-subtracted weights:
@@ -110,7 +110,7 @@ def _steps(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, kp_base, skpl, 
            INTERP: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr,
            DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Online softmax over the keys [start, end) in BLOCK_N steps (start a multiple of BLOCK_N).
-    K/V tiles come from attention.py's _load_kv: keys at or past kv_end read as 0 in MASKED blocks
+    K/V tiles come from fusionpass.kernels.attention.blocks._load_kv: keys at or past kv_end read as 0 in MASKED blocks
     (a static cache's padding may hold NaN), and the head dims padded to a power of two read as 0."""
     dk_ok = offs_dk < DK
     dv_ok = offs_dv < DV
