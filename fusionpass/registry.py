@@ -248,16 +248,19 @@ def _run_order() -> tuple[str, ...]:
     return tuple(order)
 
 
-_LOADED = []
+_LOADED: list = []  # [the fusions package's search path when its folders were last imported]
 
 
 def _load() -> None:
     # Importing every fusion folder's pattern module declares the fusions: a new fusion's folder
-    # needs no list to be added to (fusionpass.fusions).
-    if _LOADED:
+    # needs no list to be added to (fusionpass.fusions). A folder added to the package's search
+    # path later (a test's toy fusion) is imported at the next call.
+    path = tuple(fusions.__path__)
+    if _LOADED and _LOADED[0] == path:
         return
     fusions.modules("pattern")
-    _LOADED.append(True)
+    fusions.modules("op")  # the ops the rewrites call
+    _LOADED[:] = [path]
 
 
 def _is_erased(node: fx.Node) -> bool:

@@ -1,39 +1,52 @@
-"""A fusion declares its name, run order, options and cost rule in its own module; everything
-central (run order, Config settings, environment overrides, `fusionpass list`, the pass) is
-derived from the declarations. The toy fusion of tests/toy_fusion.py is added with no other edit."""
+"""A fusion is one folder: its declaration, op, kernel, conformance and benchmark cases. Everything
+central (run order, Config settings, environment overrides, `fusionpass list`, the pass, the ops,
+`fusionpass check`, the benchmark suite) finds it there. The toy fusion of
+tests/toy_fusions/toy_double/ is added with no other edit: its folder joins the fusions package's
+search path, as a new folder under fusionpass/fusions/ would be found."""
 import json
+import pathlib
+import sys
 
 import pytest
 import torch
-import toy_fusion
 
 import fusionpass
-from fusionpass import cli, registry
+from fusionpass import cli, conformance, fusions, registry
 from fusionpass import config as config_mod
 from fusionpass.explain import fresh_compile_caches
+
+TOY_FOLDERS = str(pathlib.Path(__file__).resolve().parent / "toy_fusions")
+TOY = "toy_double"
 
 
 @pytest.fixture
 def toy():
-    fusion = toy_fusion.declare()
+    fusions.__path__.append(TOY_FOLDERS)
     try:
-        yield fusion
+        yield registry.registered()[TOY]
     finally:
-        registry.unregister(fusion.name)
+        fusions.__path__.remove(TOY_FOLDERS)
+        registry.unregister(TOY)
+        # its pattern module declares it when imported: the next test imports it again (its op
+        # stays registered, as torch.library ops do for the process)
+        sys.modules.pop(f"fusionpass.fusions.{TOY}.pattern", None)
+        registry.registered()  # the registry sees the search path without the toy folder again
 
 
 def test_the_toy_fusion_needs_no_central_edit(toy, capsys):
+    from fusionpass.fusions.toy_double import pattern
+
     names = fusionpass.FUSION_NAMES
-    assert "toy_double" in names and names.index("toy_double") > names.index("rms_norm_residual")
+    assert TOY in names and names.index(TOY) > names.index("rms_norm_residual")
     # its option is a Config setting with an environment override
     assert config_mod.Config().toy_double_min_rank == 1
-    assert config_mod.Config(toy_double_min_rank=3).options("toy_double") == toy_fusion.Options(min_rank=3)
+    assert config_mod.Config(toy_double_min_rank=3).options(TOY) == pattern.Options(min_rank=3)
     assert config_mod.from_env(environ={"FUSIONPASS_TOY_DOUBLE_MIN_RANK": "2"}).toy_double_min_rank == 2
     # `fusionpass list` shows it with its setting
     assert cli.main(["list", "--json"]) == 0
     rows = {r["fusion"]: r for r in json.loads(capsys.readouterr().out)}
-    assert rows["toy_double"]["after"] == ["rms_norm_residual"]
-    assert rows["toy_double"]["settings"] == [
+    assert rows[TOY]["after"] == ["rms_norm_residual"]
+    assert rows[TOY]["settings"] == [
         {"name": "toy_double_min_rank", "env": "FUSIONPASS_TOY_DOUBLE_MIN_RANK", "default": 1,
          "doc": "fewest dimensions of x rewritten"}]
 
@@ -44,10 +57,21 @@ def test_the_toy_fusion_needs_no_central_edit(toy, capsys):
     for min_rank, matched in ((1, 1), (3, 0)):  # its cost rule reads its own option
         fusionpass.reset_stats()
         torch._dynamo.reset()
-        backend = fusionpass.backend(fusions=["toy_double"], cpu=True, toy_double_min_rank=min_rank)
+        backend = fusionpass.backend(fusions=[TOY], cpu=True, toy_double_min_rank=min_rank)
         with fresh_compile_caches():  # a cache hit would skip the pass
             torch.testing.assert_close(torch.compile(double, backend=backend)(x), double(x))
-        assert fusionpass.stats().get("toy_double", 0) == matched
+        assert fusionpass.stats().get(TOY, 0) == matched
+
+
+def test_the_toy_fusion_brings_its_op_kernel_and_conformance_case(toy):
+    # its op (and through it its kernel) is registered from its folder
+    assert f"fusionpass.fusions.{TOY}.op" in {m.__name__ for m in fusions.modules("op")}
+    x = torch.randn(7)
+    torch.testing.assert_close(torch.ops.fusionpass.toy_double(x), x + x)
+    # `fusionpass check` finds its case and passes it on the CPU
+    case = next(c for c in conformance.all_cases() if c.fusion == TOY)
+    result = conformance.run_case(case, "cpu")
+    assert result["passed"], result
 
 
 def test_run_order_follows_after():

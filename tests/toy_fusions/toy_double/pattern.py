@@ -1,6 +1,6 @@
-"""A toy fusion declared the way every fusion is, in one module and nowhere else: importing this
-module is all it takes for the pass, Config, the environment, `fusionpass list` and the run order
-to know it (tests/test_fusion_declaration.py). It rewrites `x * 2` into `x + x`."""
+"""The toy fusion's declaration, as every fusion's pattern.py: importing it is all it takes for the
+pass, Config, the environment, `fusionpass list` and the run order to know it. It rewrites `x * 2`
+into fusionpass::toy_double (this folder's op)."""
 from __future__ import annotations
 
 import dataclasses
@@ -38,21 +38,20 @@ def rank_in_range(m: Match, cfg) -> str | None:
 
 def _replace(graph, m: Match, cfg) -> None:
     with graph.inserting_before(m.anchor):
-        new = graph.call_function(torch.add, (m.bindings["x"], m.bindings["x"]))
+        new = graph.call_function(torch.ops.fusionpass.toy_double.default, (m.bindings["x"],))
     new.meta = dict(m.anchor.meta)
     m.anchor.replace_all_uses_with(new)
     graph.erase_node(m.anchor)
 
 
-def declare() -> Fusion:
-    return registry.register(Fusion(
-        name=NAME,
-        after=("rms_norm_residual",),
-        options=Options,
-        matches="x * 2",
-        selected_when=f"x of at least {Options.min_rank} dimensions",
-        anchor=_is_times_two,
-        variants=(Variant("times_two", _search),),
-        guards=(Guard("rank", rank_in_range),),
-        replace=_replace,
-    ))
+TOY_DOUBLE = registry.register(Fusion(
+    name=NAME,
+    after=("rms_norm_residual",),
+    options=Options,
+    matches="x * 2",
+    selected_when=f"x of at least {Options.min_rank} dimensions",
+    anchor=_is_times_two,
+    variants=(Variant("times_two", _search),),
+    guards=(Guard("rank", rank_in_range),),
+    replace=_replace,
+))
