@@ -5,11 +5,13 @@ fusionpass, interleaved in one process. Its output is the only place current num
                                [--out-dir benchmarks/results/latest] [--case "TEXT;..."] [--budget-s S]
     python benchmarks/suite.py --readme     # README.md's performance table from the latest files
 
-Topics: one per fusion (KERNEL_TOPICS), `models` (training and inference steps of HF models built
-from configs, random weights), `compile-time` (the first step of those same model runs, plain
-against fusionpass: no extra compiles) and `regional` (a torchtitan-style Llama training step under
-regional compilation: every block compiled on its own, the final norm + output + loss as one more
-compiled region; `python benchmarks/suite.py --only regional`). Each writes <out-dir>/<topic>.md and <topic>.json: date,
+Topics: the kernel-level ones, each declared in its fusion's folder (fusionpass/fusions/<fusion>/
+bench.py; KERNEL_TOPICS collects them, fusionpass.bench_cases says how), `models` (training and
+inference steps of HF models built from configs, random weights), `compile-time` (the first step
+of those same model runs, plain against fusionpass: no extra compiles) and `regional` (a
+torchtitan-style Llama training step under regional compilation: every block compiled on its own,
+the final norm + output + loss as one more compiled region; `python benchmarks/suite.py --only
+regional`). Each writes <out-dir>/<topic>.md and <topic>.json: date,
 GPU, versions, the command, then one row per case: plain ms, fusionpass ms, plain/fusionpass,
 peak memory where it matters, the match count of the topic's fusion, and whether the default cost
 rule selects the case. A case outside the rule is timed with the rule opened through the fusion's
