@@ -5,11 +5,13 @@ fusionpass, interleaved in one process. Its output is the only place current num
                                [--out-dir benchmarks/results/latest] [--case "TEXT;..."] [--budget-s S]
     python benchmarks/suite.py --readme     # README.md's performance table from the latest files
 
-Topics: one per fusion (KERNEL_TOPICS), `models` (training and inference steps of HF models built
-from configs, random weights), `compile-time` (the first step of those same model runs, plain
-against fusionpass: no extra compiles) and `regional` (a torchtitan-style Llama training step under
-regional compilation: every block compiled on its own, the final norm + output + loss as one more
-compiled region; `python benchmarks/suite.py --only regional`). Each writes <out-dir>/<topic>.md and <topic>.json: date,
+Topics: the kernel-level ones, each declared in its fusion's folder (fusionpass/fusions/<fusion>/
+bench.py; KERNEL_TOPICS collects them, fusionpass.bench_cases says how), `models` (training and
+inference steps of HF models built from configs, random weights), `compile-time` (the first step
+of those same model runs, plain against fusionpass: no extra compiles) and `regional` (a
+torchtitan-style Llama training step under regional compilation: every block compiled on its own,
+the final norm + output + loss as one more compiled region; `python benchmarks/suite.py --only
+regional`). Each writes <out-dir>/<topic>.md and <topic>.json: date,
 GPU, versions, the command, then one row per case: plain ms, fusionpass ms, plain/fusionpass,
 peak memory where it matters, the match count of the topic's fusion, and whether the default cost
 rule selects the case. A case outside the rule is timed with the rule opened through the fusion's
@@ -35,19 +37,16 @@ import traceback
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 import fusionpass
+import fusionpass.fusions
 from fusionpass.bench import (environment, first_call_seconds, inference_step, peak_memory, time_interleaved,
                               training_step, warm_up_compiler)
+from fusionpass.bench_cases import BF16, Case, on_device
 from fusionpass.passes import STATISTICS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LATEST = ROOT / "benchmarks" / "results" / "latest"
-BF16 = torch.bfloat16
-
-# The opt-in setting that sends SDPA calls (windows, run-time padding) to the flash kernel.
-FLASH_SDPA_SETTING = "attention_kernel"
 
 
 def registered(name: str) -> str | None:
@@ -60,341 +59,22 @@ def say(*parts) -> None:
 
 
 # =============================================================================================
-# cases
+# kernel-level topics: each fusion folder's bench.py (fusionpass/fusions/<fusion>/bench.py) declares
+# its own, so a fusion's benchmark needs no edit here (fusionpass.bench_cases says how)
 
 
-@dataclasses.dataclass
-class Case:
-    name: str  # the subgraph as models write it, and its shape
-    # build(device, dtype) -> (module, inputs); floating inputs are made leaves in training
-    build: Callable[[str, torch.dtype], tuple[nn.Module, tuple]]
-    train: bool
-    fusions: tuple[str, ...]  # the fusions on in the fusionpass column (names as the suite knows them)
-    selected: bool  # whether the default cost rule selects this case
-    settings: dict = dataclasses.field(default_factory=dict)  # fusionpass.backend(**settings)
-    # also time fusionpass without this fusion (what one fusion adds on top of the ones it needs)
-    without: str | None = None
-    dtype: torch.dtype = BF16
-    kwargs: dict = dataclasses.field(default_factory=dict)  # forward keyword inputs (HF models)
+def kernel_topics() -> dict[str, Callable[[bool], list[Case]]]:
+    """{topic: cases(smoke)} of every fusion folder's bench.py, the folders by their ORDER."""
+    topics = {}
+    for module in sorted(fusionpass.fusions.modules("bench"), key=lambda m: m.ORDER):
+        taken = set(topics) & set(module.TOPICS)
+        if taken:
+            raise ValueError(f"{module.__name__} declares topic(s) {sorted(taken)} that another fusion declares")
+        topics.update(module.TOPICS)
+    return topics
 
-    @property
-    def mode(self) -> str:
-        return "train" if self.train else "inference"
 
-
-def _on(device, make):
-    """make() with parameters and buffers created on `device` (no multi-GiB init on the host)."""
-    with torch.device(device):
-        return make()
-
-
-class LlamaAddRMSNorm(nn.Module):
-    """HF Llama's decoder-layer residual add followed by LlamaRMSNorm: returns (y, h)."""
-
-    def __init__(self, width, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(1 + 0.1 * torch.randn(width))
-        self.eps = eps
-
-    def forward(self, x, residual):
-        h = residual + x
-        hf = h.to(torch.float32)
-        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * hf.to(x.dtype), h
-
-
-class BertOutput(nn.Module):
-    """BERT's output block after its dense layer: LayerNorm(dropout(x) + input_tensor)."""
-
-    def __init__(self, width, p=0.1):
-        super().__init__()
-        self.LayerNorm = nn.LayerNorm(width, eps=1e-12)
-        self.dropout = nn.Dropout(p)
-
-    def forward(self, x, residual):
-        return self.LayerNorm(self.dropout(x) + residual)
-
-
-class PreLNResidual(nn.Module):
-    """GPT-2/NeoX/OPT pre-LN: h = residual + dropout(out); the next block's LayerNorm(h); h goes on."""
-
-    def __init__(self, width, p=0.1):
-        super().__init__()
-        self.ln = nn.LayerNorm(width, eps=1e-5)
-        self.dropout = nn.Dropout(p)
-
-    def forward(self, x, residual):
-        h = residual + self.dropout(x)
-        return self.ln(h), h
-
-
-def rows_module(module_class, rows, width, **kw):
-    def build(device, dtype):
-        module = _on(device, lambda: module_class(width, **kw)).to(dtype)
-        x, r = (torch.randn(rows, width, device=device, dtype=dtype) for _ in range(2))
-        return module, (x, r)
-
-    return build
-
-
-def rms_norm_residual_cases(smoke):
-    rows = 8 if smoke else 16384
-    cases = [
-        Case(f"Llama add+RMSNorm {rows}x4096", rows_module(LlamaAddRMSNorm, rows, 4096), True,
-             ("rms_norm_residual",), True),
-        Case(f"Llama add+RMSNorm {rows}x4096", rows_module(LlamaAddRMSNorm, rows, 4096), False,
-             ("rms_norm_residual",), True),
-        # below rms_norm_min_width: Inductor's own fused reduction wins at narrow rows
-        Case(f"Llama add+RMSNorm {rows}x1024", rows_module(LlamaAddRMSNorm, rows, 1024), True,
-             ("rms_norm_residual",), False, {"rms_norm_min_width": 1}),
-    ]
-    return cases
-
-
-def layer_norm_dropout_residual_cases(smoke):
-    rows = 8 if smoke else 16384
-    fusion = ("layer_norm_dropout_residual",)
-    return [
-        Case(f"BERT LN(dropout(x)+r) p=0.1 {rows}x768", rows_module(BertOutput, rows, 768), True, fusion, True),
-        Case(f"GPT-2 pre-LN h=r+dropout(x); LN(h) p=0.1 {rows}x4096", rows_module(PreLNResidual, rows, 4096), True,
-             fusion, True),
-        # inference below layer_norm_inference_min_width
-        Case(f"BERT LN(x+r) {rows}x1024", rows_module(BertOutput, rows, 1024), False, fusion, False,
-             {"layer_norm_inference_min_width": 1}),
-    ]
-
-
-def lm_head_loss(tokens, width, vocab):
-    from fusionpass.conformance.cases_other import CausalLMHead, _causal_labels
-
-    def build(device, dtype):
-        head = _on(device, lambda: CausalLMHead(width, vocab)).to(dtype)
-        nn.init.normal_(head.lm_head.weight, std=2.0 * width ** -0.5)  # a trained LM's logit spread
-        labels = _causal_labels(1, tokens, vocab).to(device)
-        return head, (torch.randn(1, tokens, width, device=device, dtype=dtype), labels)
-
-    return build
-
-
-def linear_cross_entropy_cases(smoke):
-    n = 16 if smoke else 8192
-    fusion = ("linear_cross_entropy",)
-    big, small = (1000, 500) if smoke else (128256, 50257)
-    return [
-        Case(f"lm_head+CE (HF ForCausalLMLoss) N{n} D4096 V{big}", lm_head_loss(n, 64 if smoke else 4096, big),
-             True, fusion, True, {"linear_cross_entropy_min_vocab": 1} if smoke else {}),
-        # GPT-2's vocabulary, below linear_cross_entropy_min_vocab
-        Case(f"lm_head+CE (HF ForCausalLMLoss) N{n} D768 V{small}", lm_head_loss(n, 64 if smoke else 768, small),
-             True, fusion, False, {"linear_cross_entropy_min_vocab": 1}),
-    ]
-
-
-def llama_rope(b, s, hq, hkv, d):
-    from fusionpass.conformance.cases_other import LlamaRope
-
-    def build(device, dtype):
-        module = _on(device, lambda: LlamaRope(d)).to(dtype)
-        q = torch.randn(b, s, hq * d, device=device, dtype=dtype)
-        k = torch.randn(b, s, hkv * d, device=device, dtype=dtype)
-        return module, (q, k, torch.arange(s, device=device).repeat(b, 1))
-
-    return build
-
-
-def rope_cases(smoke):
-    fusion = ("rope",)
-    if smoke:
-        return [Case("HF rotate_half q/k B1 H4/2 S64 D64", llama_rope(1, 64, 4, 2, 64), True, fusion, True)]
-    return [
-        # the Llama 8L benchmark's q and k (40 MiB together)
-        Case("HF rotate_half q/k B4 H16/4 S2048 D128", llama_rope(4, 2048, 16, 4, 128), True, fusion, True),
-        # above rope_max_bytes (160 MiB of q and k)
-        Case("HF rotate_half q/k B4 H32/8 S4096 D128", llama_rope(4, 4096, 32, 8, 128), True, fusion, False,
-             {"rope_kernel": True}),
-    ]
-
-
-def attention_layers(family, shape, padding=None, **options):
-    """Two HF attention layers of `family` over the mask (and rotary, ALiBi, cache) their model
-    builds, from the conformance suite (fusionpass/conformance/cases_attention.py)."""
-    from fusionpass.conformance import cases_attention
-
-    make = cases_attention.make_layers(family, shape, padding, **options)
-    return lambda device, dtype: make(dtype, device)
-
-
-def _attention_shapes():
-    from fusionpass.conformance.cases_attention import Shape
-
-    return Shape
-
-
-def decode_step_case(shape, selected=True, settings=None):
-    """A Llama static-cache decode step of `shape`, the cache full but for the step's token."""
-    from fusionpass.conformance.cases_attention import StaticCacheDecode
-
-    return Case(f"Llama static-cache decode step (sdpa) {shape}",
-                attention_layers(StaticCacheDecode, shape, impl="sdpa", prompt=shape.s - 1), False,
-                ("decode_attention",), selected, settings or {})
-
-
-def decode_attention_cases(smoke):
-    Shape = _attention_shapes()
-    shapes = [Shape(1, 4, 2, 128, 64, q=1)] if smoke else [Shape(1, 32, 8, 32768, 128, q=1),
-                                                          Shape(8, 32, 8, 8192, 128, q=1)]
-    return [decode_step_case(s) for s in shapes]
-
-
-def sdpa_mask_cases(smoke):
-    from fusionpass.conformance.cases_attention import Bert, Llama
-
-    Shape = _attention_shapes()
-    fusion = ("sdpa_mask",)
-    llama, bert = (Shape(1, 4, 2, 64, 64), Shape(2, 4, 4, 64, 64)) if smoke else (
-        Shape(4, 16, 4, 2048, 128), Shape(32, 12, 12, 512, 64))
-    return [
-        Case(f"Llama sdpa, create_causal_mask {llama}", attention_layers(Llama, llama, impl="sdpa"), True, fusion, True),
-        Case(f"BERT sdpa, create_bidirectional_mask {bert}", attention_layers(Bert, bert), True, fusion, True),
-    ]
-
-
-def flash_attention_cases(smoke):
-    from fusionpass.conformance.cases_attention import GPT2, Bert, Bloom, Llama
-
-    Shape = _attention_shapes()
-    fusion = ("flash_attention",)
-    gpt2, bloom, llama = ((Shape(1, 2, 2, 64, 64),) * 2 + (Shape(1, 4, 2, 64, 64),)) if smoke else (
-        Shape(16, 12, 12, 1024, 64), Shape(8, 16, 16, 2048, 64), Shape(4, 16, 4, 2048, 128))
-    bert = Shape(2, 2, 2, 64, 64) if smoke else Shape(32, 12, 12, 512, 64)
-    llama_right, llama_short = (Shape(2, 4, 2, 64, 64),) * 2 if smoke else (
-        Shape(8, 16, 4, 1024, 128), Shape(32, 16, 4, 128, 64))
-    return [
-        Case(f"GPT-2 eager attention {gpt2}", attention_layers(GPT2, gpt2), True, fusion, True),
-        # BLOOM's training step is in attention_out_proj's cases (with and without that fusion)
-        Case(f"BLOOM eager ALiBi attention {bloom}", attention_layers(Bloom, bloom), False, fusion, True),
-        # SDPA's own (cuDNN/flash) kernel is faster for a plain causal mask: opt-in only
-        Case(f"Llama sdpa causal {llama}", attention_layers(Llama, llama, impl="sdpa"), True, fusion, False,
-             {FLASH_SDPA_SETTING: True}),
-        # causal AND the run-time attention_mask a collator passes (on by default): plain compile
-        # runs SDPA with the materialized mask; all ones, right padding, and a short sequence
-        *(Case(f"Llama sdpa causal + {pad} key padding {shape}",
-               attention_layers(Llama, shape, pad, impl="sdpa"), train, fusion, True)
-          for pad, shape, train in (("ones", llama, True), ("ones", llama, False), ("right", llama_right, True),
-                                    ("ones", llama_short, True))),
-        # an encoder's padding collator (all-true mask AND key padding, on by default): right
-        # padding (row r of B loses r * L // (B + 1) tokens) and all ones
-        *(Case(f"BERT sdpa + {pad} key padding {bert}", attention_layers(Bert, bert, pad), True, fusion, True)
-          for pad in ("right", "ones")),
-    ]
-
-
-def attention_windows_cases(smoke):
-    """flash_attention's sliding-window route (on by default), a topic of its own: plain compile
-    runs SDPA with the materialized window mask over every key. Mistral's window, Gemma-3's (head
-    dim 256), a window that cuts little, one with right key padding, and short sequences (S 512
-    and 256), where the route also takes square scores."""
-    from fusionpass.conformance.cases_attention import Llama
-
-    Shape = _attention_shapes()
-    if smoke:
-        rows = [(17, None, Shape(1, 4, 2, 64, 64), True), (17, "right", Shape(2, 4, 2, 64, 64), True)]
-    else:
-        mistral, gemma, cuts_little, padded = (Shape(4, 32, 8, 4096, 128), Shape(2, 8, 4, 4096, 256),
-                                               Shape(4, 16, 4, 2048, 128), Shape(8, 16, 4, 1024, 128))
-        s512, s256 = Shape(32, 16, 4, 512, 128), Shape(64, 12, 12, 256, 64)
-        rows = [(1024, None, mistral, True), (1024, None, mistral, False), (512, None, gemma, True),
-                (1536, None, cuts_little, True), (256, "right", padded, True),
-                (128, None, s512, True), (128, None, s512, False), (64, "right", s256, True)]
-    return [Case(f"Mistral sdpa sliding window {window}{f' + {pad} key padding' if pad else ''} {shape}",
-                 attention_layers(Llama, shape, pad, impl="sdpa", window=window), train, ("flash_attention",), True)
-            for window, pad, shape, train in rows]
-
-
-def attention_head_dims_cases(smoke):
-    """Head dims other than 64/128/256, a topic of their own, each opt-in (its setting opened here):
-    MLA (DeepSeek-V3's q/k 192, v 128, v padded to 192 for the kernel) with the collator's all-ones
-    attention_mask, where plain compile runs SDPA with the materialized mask; decode steps at head
-    dims 80 and 96 (Phi-2's and Phi-3's), padded to 128 in the decode kernel's registers."""
-    from fusionpass.conformance.cases_attention import DeepseekMLA
-
-    Shape = _attention_shapes()
-    mla, d80, d96 = (Shape(2, 2, 2, 64, 192), Shape(1, 4, 2, 128, 80, q=1), Shape(1, 4, 4, 128, 96, q=1)) if smoke \
-        else (Shape(2, 16, 16, 4096, 192), Shape(8, 32, 32, 4096, 80, q=1), Shape(8, 32, 32, 4096, 96, q=1))
-    return [
-        *(Case(f"DeepSeek-V3 MLA sdpa causal + ones key padding {mla}", attention_layers(DeepseekMLA, mla, "ones"),
-               train, ("flash_attention",), False, {"attention_mla": True}) for train in (True, False)),
-        *(decode_step_case(s, False, {"decode_attention_padded_head_dims": True}) for s in (d80, d96)),
-    ]
-
-
-def rope_attention_cases(smoke):
-    from fusionpass.conformance.cases_attention import Llama
-
-    Shape = _attention_shapes()
-    shape = Shape(1, 4, 2, 64, 64) if smoke else Shape(4, 16, 4, 2048, 128)
-    fusions = ("rope", "flash_attention", "rope_attention")
-    build = attention_layers(Llama, shape, impl="eager")
-    return [
-        Case(f"Llama eager attention, rotate_half q {shape}", build, False, fusions, True, without="rope_attention"),
-        Case(f"Llama eager attention, rotate_half q {shape}", build, True, fusions, False,
-             {"rope_attention_training": True}, without="rope_attention"),
-    ]
-
-
-def attention_out_proj_cases(smoke):
-    from fusionpass.conformance.cases_attention import GPT2, Bloom
-
-    Shape = _attention_shapes()
-    gpt2, bloom = (Shape(1, 2, 2, 64, 64),) * 2 if smoke else (Shape(16, 12, 12, 1024, 64), Shape(8, 16, 16, 2048, 64))
-    fusions = ("flash_attention", "attention_out_proj")
-    return [
-        Case(f"GPT-2 eager attention + head merge + c_proj {gpt2}", attention_layers(GPT2, gpt2), True, fusions, True,
-             without="attention_out_proj"),
-        Case(f"BLOOM attention + _merge_heads + dense {bloom}", attention_layers(Bloom, bloom), True, fusions, True,
-             without="attention_out_proj"),
-    ]
-
-
-def llama_mlp(rows, hidden, inter):
-    from fusionpass.conformance.cases_other import GatedMLP
-
-    def build(device, dtype):
-        module = _on(device, lambda: GatedMLP(hidden, inter, nn.SiLU())).to(dtype)
-        return module, (torch.randn(rows, hidden, device=device, dtype=dtype),)
-
-    return build
-
-
-def swiglu_mlp_cases(smoke):
-    fusion = ("swiglu_mlp",)
-    k, n = (64, 128) if smoke else (4096, 14336)
-    prefill = 16 if smoke else 8192
-    return [
-        Case(f"Llama SwiGLU MLP M1 K{k} N{n}", llama_mlp(1, k, n), False, fusion, True),
-        Case(f"Llama SwiGLU MLP M16 K{k} N{n}", llama_mlp(16, k, n), False, fusion, True),
-        # training: the op takes the down projection and recomputes act*mul in the backward
-        # (swiglu_mlp_recompute_product, the default), which keeps one ffn-wide tensor fewer
-        Case(f"Llama SwiGLU MLP M{prefill} K{k} N{n}", llama_mlp(prefill, k, n), True, fusion, True),
-        # prefill inference: cuBLAS GEMMs + Inductor's act*mul are as fast
-        Case(f"Llama SwiGLU MLP M{prefill} K{k} N{n}", llama_mlp(prefill, k, n), False, fusion, False,
-             {"swiglu_mlp_kernel": True}),
-    ]
-
-
-KERNEL_TOPICS = {
-    "rms_norm_residual": rms_norm_residual_cases,
-    "layer_norm_dropout_residual": layer_norm_dropout_residual_cases,
-    "linear_cross_entropy": linear_cross_entropy_cases,
-    "rope": rope_cases,
-    "decode_attention": decode_attention_cases,
-    "sdpa_mask": sdpa_mask_cases,
-    "flash_attention": flash_attention_cases,
-    "attention_windows": attention_windows_cases,
-    "attention_head_dims": attention_head_dims_cases,
-    "rope_attention": rope_attention_cases,
-    "attention_out_proj": attention_out_proj_cases,
-    "swiglu_mlp": swiglu_mlp_cases,
-}
+KERNEL_TOPICS = kernel_topics()
 
 
 # =============================================================================================
@@ -410,7 +90,7 @@ def hf_model(config_name, model_class, attn, smoke, **config):
         cfg = getattr(transformers, config_name)(**config)
         cfg._attn_implementation = attn
         torch.manual_seed(0)
-        model = _on(device, lambda: getattr(transformers, model_class).from_config(cfg)).to(dtype)
+        model = on_device(device, lambda: getattr(transformers, model_class).from_config(cfg)).to(dtype)
         if model_class == "AutoModelForCausalLM":
             model.loss_type = "ForCausalLM"  # GPT-2's default loss otherwise lands in a second graph
         return model, ()
@@ -703,7 +383,7 @@ def regional_rows(run: Run, cases: list[RegionalCase], budget_s: float | None) -
 
         def one(case=case, i=i):
             torch.manual_seed(0)
-            model = tt.cast_parameters(_on(run.device, lambda: tt.make(rope=case.rope, **case.args)), dtype)
+            model = tt.cast_parameters(on_device(run.device, lambda: tt.make(rope=case.rope, **case.args)), dtype)
             ids = torch.randint(0, case.args["vocab_size"], (case.batch, case.seq), device=run.device)
             labels = torch.roll(ids, -1, dims=1)
             return measure_regional(run, i, tt, model, ids, labels, settings)

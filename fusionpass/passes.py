@@ -69,7 +69,8 @@ _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 # conformance suite. They stay out of the digest, which is both the FX-cache key and the key the
 # committed GPU conformance result must carry (fusionpass.conformance.gate), so editing a report
 # or adding a conformance case neither invalidates users' caches nor the last GPU run.
-_NOT_COMPILED = ("cli.py", "explain.py", "bench.py", "bench_report.py", "demo.py", "reference.py", "conformance/")
+_NOT_COMPILED = ("cli.py", "explain.py", "bench.py", "bench_cases.py", "bench_report.py", "demo.py", "reference.py",
+                 "conformance/")
 # In a fusion's folder (fusionpass.fusions), its conformance and benchmark cases.
 _NOT_COMPILED_IN_FUSIONS = ("cases.py", "bench.py")
 

@@ -121,6 +121,32 @@ def test_an_unregistered_fusion_is_skipped():
         assert suite.registered(name) is not None
 
 
+def test_a_fusion_folder_brings_its_own_topics(tmp_path, monkeypatch):
+    # a fusion's bench.py is found without a central edit and its topics stand at its ORDER; a
+    # topic that another folder declares is refused
+    import fusionpass.fusions
+
+    suite = _suite()
+    folders = {"toy_bench": "ORDER = 55\nTOPICS = {'toy': list}\n",
+               "toy_bench_again": "ORDER = 56\nTOPICS = {'rope': list}\n"}
+    for name, text in folders.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+        (tmp_path / name / "bench.py").write_text(text)
+    monkeypatch.setattr(fusionpass.fusions, "__path__", [*fusionpass.fusions.__path__, str(tmp_path)])
+    imported = [f"fusionpass.fusions.{name}{module}" for name in folders for module in ("", ".bench")]
+    try:
+        with pytest.raises(ValueError, match="toy_bench_again.bench declares topic.*rope"):
+            suite.kernel_topics()
+        (tmp_path / "toy_bench_again" / "bench.py").write_text("ORDER = 56\nTOPICS = {}\n")
+        sys.modules.pop("fusionpass.fusions.toy_bench_again.bench")
+        topics = list(suite.kernel_topics())
+        assert topics[topics.index("decode_attention") + 1:][:2] == ["toy", "sdpa_mask"], topics
+    finally:
+        for module in imported:
+            sys.modules.pop(module, None)
+
+
 def test_readme_table_is_generated_from_the_latest_results():
     suite = _suite()
     if not any(suite.LATEST.glob("*.json")):
