@@ -9,13 +9,15 @@ import sys
 
 import pytest
 import torch
+from helpers import load_script
 
 import fusionpass
 from fusionpass import cli, conformance, fusions, registry
 from fusionpass import config as config_mod
 from fusionpass.explain import fresh_compile_caches
 
-TOY_FOLDERS = str(pathlib.Path(__file__).resolve().parent / "toy_fusions")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOY_FOLDERS = str(ROOT / "tests" / "toy_fusions")
 TOY = "toy_double"
 
 
@@ -63,7 +65,7 @@ def test_the_toy_fusion_needs_no_central_edit(toy, capsys):
         assert fusionpass.stats().get(TOY, 0) == matched
 
 
-def test_the_toy_fusion_brings_its_op_kernel_and_conformance_case(toy):
+def test_the_toy_fusion_brings_its_op_kernel_conformance_and_benchmark_cases(toy):
     # its op (and through it its kernel) is registered from its folder
     assert f"fusionpass.fusions.{TOY}.op" in {m.__name__ for m in fusions.modules("op")}
     x = torch.randn(7)
@@ -72,6 +74,10 @@ def test_the_toy_fusion_brings_its_op_kernel_and_conformance_case(toy):
     case = next(c for c in conformance.all_cases() if c.fusion == TOY)
     result = conformance.run_case(case, "cpu")
     assert result["passed"], result
+    # the benchmark suite finds its topic, after every real fusion's (its ORDER)
+    suite = load_script("benchmark_suite", ROOT / "benchmarks" / "suite.py")
+    topics = suite.kernel_topics()
+    assert list(topics)[-1] == TOY and [c.name for c in topics[TOY](smoke=True)] == ["sin(x) * 2, 64x64"]
 
 
 def test_run_order_follows_after():
