@@ -59,7 +59,7 @@ def _cuda_target():
 
 
 _JITTED: dict = {}
-_JIT_MODULES = ("fusionpass.kernels", "triton.language")
+_JIT_MODULES = ("fusionpass.kernels", "fusionpass.fusions", "triton.language")
 # What the interpreter patched into triton.language, with the values it replaced. It patches the
 # language while it runs a kernel and, for jit helpers called from a kernel, never restores it
 # (triton 3.6 InterpretedFunction.__call__): TTIR generation later in the same process would then
@@ -113,7 +113,7 @@ def _set_all(values) -> None:
 def _jit_functions(kernel):
     """`kernel` as the JITFunction the analysis reads. Under TRITON_INTERPRET=1, @triton.jit made
     InterpretedFunctions, which TTIR generation cannot read: for the analysis, the kernel and every
-    jit function of fusionpass.kernels and triton.language (tl.sum, tl.cdiv, tl.philox are jit
+    jit function of fusionpass.kernels, the fusion folders and triton.language (tl.sum, tl.cdiv, tl.philox are jit
     functions too) are JITFunctions of the same Python functions."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction

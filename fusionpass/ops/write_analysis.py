@@ -30,7 +30,8 @@ from fusionpass.kernels import launch
 # torch's entry points (torch 2.11: identify_mutated_tensors; later: identify_accessed_tensors),
 # each called as fn(kernel, kwargs, tma_descriptor_metadata)
 _ANALYSES = ("identify_mutated_tensors", "identify_accessed_tensors")
-_OUR_KERNELS = "fusionpass.kernels."
+# Our kernels live in fusionpass.kernels (shared) and in the fusion folders (fusionpass.fusions).
+_OUR_KERNELS = ("fusionpass.kernels.", "fusionpass.fusions.")
 
 
 def _kind(value):

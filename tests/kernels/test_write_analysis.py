@@ -57,3 +57,14 @@ def test_other_kernels_symbolic_arguments_and_tma_go_to_torch():
         memo(forward._fwd_kernel, _args(Lq=object()), {})  # not keyable (as a symbolic size)
         memo(forward._fwd_kernel, _args(), {"O": ("stable", ())})
     assert len(calls) == 6 and memo.asked == 0
+
+
+def test_kernels_of_the_fusion_folders_are_ours():
+    """The memo keys every kernel of ours, the shared ones and those in a fusion's folder alike (a
+    kernel it does not know goes to torch each time: slower compiles, and under the interpreter the
+    launch check then reads torch's answer for the wrong function)."""
+    from fusionpass.fusions.rms_norm_residual import kernels as rms_norm_kernels
+    from fusionpass.fusions.swiglu_mlp import kernels as swiglu_kernels
+
+    for kernel in (forward._fwd_kernel, swiglu_kernels._decode_kernel, rms_norm_kernels._fwd_kernel):
+        assert write_analysis.key(kernel, {}, None) is not None, kernel
