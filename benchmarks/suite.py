@@ -165,7 +165,7 @@ def layer_norm_dropout_residual_cases(smoke):
 
 
 def lm_head_loss(tokens, width, vocab):
-    from fusionpass.conformance.cases_other import CausalLMHead, _causal_labels
+    from fusionpass.fusions.linear_cross_entropy.cases import CausalLMHead, _causal_labels
 
     def build(device, dtype):
         head = _on(device, lambda: CausalLMHead(width, vocab)).to(dtype)
@@ -190,7 +190,7 @@ def linear_cross_entropy_cases(smoke):
 
 
 def llama_rope(b, s, hq, hkv, d):
-    from fusionpass.conformance.cases_other import LlamaRope
+    from fusionpass.fusions.rope.cases import LlamaRope
 
     def build(device, dtype):
         module = _on(device, lambda: LlamaRope(d)).to(dtype)
@@ -216,22 +216,22 @@ def rope_cases(smoke):
 
 def attention_layers(family, shape, padding=None, **options):
     """Two HF attention layers of `family` over the mask (and rotary, ALiBi, cache) their model
-    builds, from the conformance suite (fusionpass/conformance/cases_attention.py)."""
-    from fusionpass.conformance import cases_attention
+    builds, from the conformance suite (fusionpass/conformance/attention_layers.py)."""
+    from fusionpass.conformance.attention_layers import make_layers
 
-    make = cases_attention.make_layers(family, shape, padding, **options)
+    make = make_layers(family, shape, padding, **options)
     return lambda device, dtype: make(dtype, device)
 
 
 def _attention_shapes():
-    from fusionpass.conformance.cases_attention import Shape
+    from fusionpass.conformance.attention_layers import Shape
 
     return Shape
 
 
 def decode_step_case(shape, selected=True, settings=None):
     """A Llama static-cache decode step of `shape`, the cache full but for the step's token."""
-    from fusionpass.conformance.cases_attention import StaticCacheDecode
+    from fusionpass.conformance.attention_layers import StaticCacheDecode
 
     return Case(f"Llama static-cache decode step (sdpa) {shape}",
                 attention_layers(StaticCacheDecode, shape, impl="sdpa", prompt=shape.s - 1), False,
@@ -246,7 +246,7 @@ def decode_attention_cases(smoke):
 
 
 def sdpa_mask_cases(smoke):
-    from fusionpass.conformance.cases_attention import Bert, Llama
+    from fusionpass.conformance.attention_layers import Bert, Llama
 
     Shape = _attention_shapes()
     fusion = ("sdpa_mask",)
@@ -259,7 +259,7 @@ def sdpa_mask_cases(smoke):
 
 
 def flash_attention_cases(smoke):
-    from fusionpass.conformance.cases_attention import GPT2, Bert, Bloom, Llama
+    from fusionpass.conformance.attention_layers import GPT2, Bert, Bloom, Llama
 
     Shape = _attention_shapes()
     fusion = ("flash_attention",)
@@ -293,7 +293,7 @@ def attention_windows_cases(smoke):
     runs SDPA with the materialized window mask over every key. Mistral's window, Gemma-3's (head
     dim 256), a window that cuts little, one with right key padding, and short sequences (S 512
     and 256), where the route also takes square scores."""
-    from fusionpass.conformance.cases_attention import Llama
+    from fusionpass.conformance.attention_layers import Llama
 
     Shape = _attention_shapes()
     if smoke:
@@ -315,7 +315,7 @@ def attention_head_dims_cases(smoke):
     MLA (DeepSeek-V3's q/k 192, v 128, v padded to 192 for the kernel) with the collator's all-ones
     attention_mask, where plain compile runs SDPA with the materialized mask; decode steps at head
     dims 80 and 96 (Phi-2's and Phi-3's), padded to 128 in the decode kernel's registers."""
-    from fusionpass.conformance.cases_attention import DeepseekMLA
+    from fusionpass.conformance.attention_layers import DeepseekMLA
 
     Shape = _attention_shapes()
     mla, d80, d96 = (Shape(2, 2, 2, 64, 192), Shape(1, 4, 2, 128, 80, q=1), Shape(1, 4, 4, 128, 96, q=1)) if smoke \
@@ -328,7 +328,7 @@ def attention_head_dims_cases(smoke):
 
 
 def rope_attention_cases(smoke):
-    from fusionpass.conformance.cases_attention import Llama
+    from fusionpass.conformance.attention_layers import Llama
 
     Shape = _attention_shapes()
     shape = Shape(1, 4, 2, 64, 64) if smoke else Shape(4, 16, 4, 2048, 128)
@@ -342,7 +342,7 @@ def rope_attention_cases(smoke):
 
 
 def attention_out_proj_cases(smoke):
-    from fusionpass.conformance.cases_attention import GPT2, Bloom
+    from fusionpass.conformance.attention_layers import GPT2, Bloom
 
     Shape = _attention_shapes()
     gpt2, bloom = (Shape(1, 2, 2, 64, 64),) * 2 if smoke else (Shape(16, 12, 12, 1024, 64), Shape(8, 16, 16, 2048, 64))
@@ -356,7 +356,7 @@ def attention_out_proj_cases(smoke):
 
 
 def llama_mlp(rows, hidden, inter):
-    from fusionpass.conformance.cases_other import GatedMLP
+    from fusionpass.fusions.swiglu_mlp.cases import GatedMLP
 
     def build(device, dtype):
         module = _on(device, lambda: GatedMLP(hidden, inter, nn.SiLU())).to(dtype)
