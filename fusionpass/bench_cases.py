@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fusionpass.conformance.attention_layers import StaticCacheDecode, make_layers
+
 BF16 = torch.bfloat16
 
 
@@ -61,24 +63,13 @@ def rows_module(module_class, rows, width, **kw):
 
 def attention_layers(family, shape, padding=None, **options):
     """Two HF attention layers of `family` over the mask (and rotary, ALiBi, cache) their model
-    builds, from the conformance suite (fusionpass/conformance/cases_attention.py)."""
-    from fusionpass.conformance import cases_attention
-
-    make = cases_attention.make_layers(family, shape, padding, **options)
+    builds, from the conformance suite (fusionpass/conformance/attention_layers.py)."""
+    make = make_layers(family, shape, padding, **options)
     return lambda device, dtype: make(dtype, device)
-
-
-def attention_shapes():
-    """The conformance suite's attention Shape (b, hq, hkv, s, d, q=)."""
-    from fusionpass.conformance.cases_attention import Shape
-
-    return Shape
 
 
 def decode_step_case(shape, selected=True, settings=None):
     """A Llama static-cache decode step of `shape`, the cache full but for the step's token."""
-    from fusionpass.conformance.cases_attention import StaticCacheDecode
-
     return Case(f"Llama static-cache decode step (sdpa) {shape}",
                 attention_layers(StaticCacheDecode, shape, impl="sdpa", prompt=shape.s - 1), False,
                 ("decode_attention",), selected, settings or {})

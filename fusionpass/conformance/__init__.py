@@ -19,8 +19,12 @@ expected ones (a route that silently stops matching is a failure too).
 It runs with `torch.utils.deterministic.fill_uninitialized_memory = True` and deterministic
 algorithms (warn only), so a buffer read or returned before anything wrote it shows up as NaN.
 
-Cases live in `fusionpass.conformance.cases_*` modules (`CASES` lists in each), and the gate that
-the CPU test suite applies to the committed result file is `fusionpass.conformance.gate`.
+A fusion's cases live in its folder, `fusionpass/fusions/<fusion>/cases.py` (a `CASES` list), so
+adding them edits nothing here; what several fusions' cases are built from is in
+`fusionpass.conformance.builders` and `fusionpass.conformance.attention_layers`. Two modules here
+hold the cases that belong to no one fusion: `cases_models` (small real HF models, per model family)
+and `cases_autocast` (the AMP twins of every other module's cases). The gate that the CPU test
+suite applies to the committed result file is `fusionpass.conformance.gate`.
 This package is not part of `fusionpass.passes.source_digest()`: it decides no compiled code.
 """
 from __future__ import annotations
@@ -31,22 +35,22 @@ import importlib
 import math
 import time
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
+from fusionpass import fusions
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Below these relative errors a difference is rounding whatever plain compile's error is (about
 # one unit roundoff of the dtype; fp32 at TF32-free float32 arithmetic).
 FLOOR = {torch.bfloat16: 4e-3, torch.float16: 5e-4, torch.float32: 2e-5}
-CASE_MODULES = (
-    "fusionpass.conformance.cases_norms",
-    "fusionpass.conformance.cases_attention",
-    "fusionpass.conformance.cases_other",
-    "fusionpass.conformance.cases_models",
-    "fusionpass.conformance.cases_autocast",
-)
+# The cases in no fusion's folder: whole HF models (per model family, each matching several
+# fusions) and the AMP twins of every other module's cases.
+MODEL_CASES = "fusionpass.conformance.cases_models"
+AUTOCAST_CASES = "fusionpass.conformance.cases_autocast"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +90,17 @@ class Case:
     differentiated_outputs: int | None = None
 
 
+def case_modules(twins: bool = True) -> list[ModuleType]:
+    """Every module with a `CASES` list: each fusion folder's `cases.py`, the whole models' and,
+    with `twins`, the AMP twins of all of those (which cases_autocast builds from the rest)."""
+    central = [MODEL_CASES, *([AUTOCAST_CASES] if twins else [])]
+    return [*fusions.modules("cases"), *map(importlib.import_module, central)]
+
+
 def all_cases() -> list[Case]:
     cases = []
-    for name in CASE_MODULES:
-        cases.extend(importlib.import_module(name).CASES)
+    for module in case_modules():
+        cases.extend(module.CASES)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}
     if dup:

@@ -1,6 +1,6 @@
-"""AMP twins of every fusion's training cases: the same module and inputs with fp32 parameters and
-inputs, run under `torch.autocast(device, torch.bfloat16)`, as the HF Trainer's `bf16=True` runs a
-model built from a config (autocast over fp32 weights).
+"""AMP twins of every fusion's training cases (each fusion folder's `cases.py`): the same module and
+inputs with fp32 parameters and inputs, run under `torch.autocast(device, torch.bfloat16)`, as the
+HF Trainer's `bf16=True` runs a model built from a config (autocast over fp32 weights).
 
 Autocast decides the arithmetic (linear, matmul and SDPA in bf16; softmax, norms and the loss in
 fp32; elementwise ops promote), and fusionpass writes its casts into the graph before matching
@@ -13,12 +13,11 @@ cases of their own in cases_models) have no twin.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import torch
 from torch import nn
 
-from fusionpass.conformance import CASE_MODULES, FLOOR, Case
+from fusionpass.conformance import FLOOR, Case, case_modules
 
 
 class Autocast(nn.Module):
@@ -60,5 +59,4 @@ def _twinned(case: Case) -> bool:
             and "/bf16/" in case.name)
 
 
-CASES = [twin(c) for name in CASE_MODULES if name != __name__
-         for c in importlib.import_module(name).CASES if _twinned(c)]
+CASES = [twin(c) for module in case_modules(twins=False) for c in module.CASES if _twinned(c)]

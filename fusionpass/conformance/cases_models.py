@@ -3,7 +3,8 @@ bf16, training (loss, logits and every parameter's gradient) and inference (logi
 float64 eager model. Each also pins its match counts, so a route that stops matching fails.
 
 Dropout probabilities are 0 (a float64 reference cannot draw the compiled graph's masks; the
-dropout paths have their own cases in cases_norms). Sequence lengths are odd on purpose.
+dropout paths have their own cases in fusionpass/fusions/layer_norm_dropout_residual/cases.py).
+Sequence lengths are odd on purpose.
 """
 from __future__ import annotations
 

@@ -2,15 +2,14 @@
 topics are found and ordered)."""
 from __future__ import annotations
 
-from fusionpass.bench_cases import Case, attention_layers, attention_shapes
+from fusionpass.bench_cases import Case, attention_layers
+from fusionpass.conformance.attention_layers import Bloom, GPT2, Shape
 
 ORDER = 90
 
 
 def attention_out_proj_cases(smoke):
-    from fusionpass.conformance.cases_attention import GPT2, Bloom
 
-    Shape = attention_shapes()
     gpt2, bloom = (Shape(1, 2, 2, 64, 64),) * 2 if smoke else (Shape(16, 12, 12, 1024, 64), Shape(8, 16, 16, 2048, 64))
     fusions = ("flash_attention", "attention_out_proj")
     return [

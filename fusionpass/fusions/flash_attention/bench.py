@@ -3,7 +3,8 @@ are found and ordered): its default and opt-in routes, then two topics of their 
 windows and head dims other than 64/128/256 (the latter with decode_attention's padded head dims)."""
 from __future__ import annotations
 
-from fusionpass.bench_cases import Case, attention_layers, attention_shapes, decode_step_case
+from fusionpass.bench_cases import Case, attention_layers, decode_step_case
+from fusionpass.conformance.attention_layers import Bert, Bloom, DeepseekMLA, GPT2, Llama, Shape
 
 ORDER = 70
 
@@ -12,9 +13,7 @@ FLASH_SDPA_SETTING = "attention_kernel"
 
 
 def flash_attention_cases(smoke):
-    from fusionpass.conformance.cases_attention import GPT2, Bert, Bloom, Llama
 
-    Shape = attention_shapes()
     fusion = ("flash_attention",)
     gpt2, bloom, llama = ((Shape(1, 2, 2, 64, 64),) * 2 + (Shape(1, 4, 2, 64, 64),)) if smoke else (
         Shape(16, 12, 12, 1024, 64), Shape(8, 16, 16, 2048, 64), Shape(4, 16, 4, 2048, 128))
@@ -46,9 +45,7 @@ def attention_windows_cases(smoke):
     runs SDPA with the materialized window mask over every key. Mistral's window, Gemma-3's (head
     dim 256), a window that cuts little, one with right key padding, and short sequences (S 512
     and 256), where the route also takes square scores."""
-    from fusionpass.conformance.cases_attention import Llama
 
-    Shape = attention_shapes()
     if smoke:
         rows = [(17, None, Shape(1, 4, 2, 64, 64), True), (17, "right", Shape(2, 4, 2, 64, 64), True)]
     else:
@@ -68,9 +65,7 @@ def attention_head_dims_cases(smoke):
     MLA (DeepSeek-V3's q/k 192, v 128, v padded to 192 for the kernel) with the collator's all-ones
     attention_mask, where plain compile runs SDPA with the materialized mask; decode steps at head
     dims 80 and 96 (Phi-2's and Phi-3's), padded to 128 in the decode kernel's registers."""
-    from fusionpass.conformance.cases_attention import DeepseekMLA
 
-    Shape = attention_shapes()
     mla, d80, d96 = (Shape(2, 2, 2, 64, 192), Shape(1, 4, 2, 128, 80, q=1), Shape(1, 4, 4, 128, 96, q=1)) if smoke \
         else (Shape(2, 16, 16, 4096, 192), Shape(8, 32, 32, 4096, 80, q=1), Shape(8, 32, 32, 4096, 96, q=1))
     return [

@@ -6,17 +6,17 @@ import torch
 from torch import nn
 
 from fusionpass.bench_cases import Case, on_device
+from fusionpass.fusions.linear_cross_entropy.cases import CausalLMHead, causal_labels
 
 ORDER = 30
 
 
 def lm_head_loss(tokens, width, vocab):
-    from fusionpass.conformance.cases_other import CausalLMHead, _causal_labels
 
     def build(device, dtype):
         head = on_device(device, lambda: CausalLMHead(width, vocab)).to(dtype)
         nn.init.normal_(head.lm_head.weight, std=2.0 * width ** -0.5)  # a trained LM's logit spread
-        labels = _causal_labels(1, tokens, vocab).to(device)
+        labels = causal_labels(1, tokens, vocab).to(device)
         return head, (torch.randn(1, tokens, width, device=device, dtype=dtype), labels)
 
     return build

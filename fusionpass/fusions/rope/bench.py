@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from fusionpass.bench_cases import Case, on_device
+from fusionpass.fusions.rope.cases import LlamaRope
 
 ORDER = 40
 
 
 def llama_rope(b, s, hq, hkv, d):
-    from fusionpass.conformance.cases_other import LlamaRope
 
     def build(device, dtype):
         module = on_device(device, lambda: LlamaRope(d)).to(dtype)

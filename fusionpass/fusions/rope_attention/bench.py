@@ -2,15 +2,14 @@
 are found and ordered)."""
 from __future__ import annotations
 
-from fusionpass.bench_cases import Case, attention_layers, attention_shapes
+from fusionpass.bench_cases import Case, attention_layers
+from fusionpass.conformance.attention_layers import Llama, Shape
 
 ORDER = 80
 
 
 def rope_attention_cases(smoke):
-    from fusionpass.conformance.cases_attention import Llama
 
-    Shape = attention_shapes()
     shape = Shape(1, 4, 2, 64, 64) if smoke else Shape(4, 16, 4, 2048, 128)
     fusions = ("rope", "flash_attention", "rope_attention")
     build = attention_layers(Llama, shape, impl="eager")

@@ -2,15 +2,14 @@
 found and ordered)."""
 from __future__ import annotations
 
-from fusionpass.bench_cases import Case, attention_layers, attention_shapes
+from fusionpass.bench_cases import Case, attention_layers
+from fusionpass.conformance.attention_layers import Bert, Llama, Shape
 
 ORDER = 60
 
 
 def sdpa_mask_cases(smoke):
-    from fusionpass.conformance.cases_attention import Bert, Llama
 
-    Shape = attention_shapes()
     fusion = ("sdpa_mask",)
     llama, bert = (Shape(1, 4, 2, 64, 64), Shape(2, 4, 4, 64, 64)) if smoke else (
         Shape(4, 16, 4, 2048, 128), Shape(32, 12, 12, 512, 64))

@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 from fusionpass.bench_cases import Case, on_device
+from fusionpass.fusions.swiglu_mlp.cases import GatedMLP
 
 ORDER = 100
 
 
 def llama_mlp(rows, hidden, inter):
-    from fusionpass.conformance.cases_other import GatedMLP
 
     def build(device, dtype):
         module = on_device(device, lambda: GatedMLP(hidden, inter, nn.SiLU())).to(dtype)

@@ -1,5 +1,7 @@
-"""Conformance cases of attention (every route), decode_attention, rope_attention and
-attention_out_proj.
+"""The attention layers that the conformance cases of sdpa_mask, flash_attention, decode_attention,
+rope_attention and attention_out_proj are built from (each fusion's cases are in its folder,
+`fusionpass/fusions/<fusion>/cases.py`), what those cases share (`layer_cases`, their expected
+counts, shapes) and, for the benchmarks, the same layers (`make_layers`).
 
 The attention layers are transformers 5.17's own (LlamaAttention, MistralAttention,
 BertSelfAttention, GPT2Attention, BloomAttention, MptAttention, FalconAttention, GPTJAttention),
@@ -7,7 +9,7 @@ built from tiny configs. A small wrapper per family prepares what its model comp
 forward and hands every layer: the mask from masking_utils (materialized under torch.compile),
 rotary cos/sin from arange position ids, the ALiBi tensors of BLOOM, MPT and Falcon, the static KV
 cache of a decode step. Each wrapper runs two layers over that one mask (x = x + attn(x)), as a
-decoder loop does, so every count below is per layer times two.
+decoder loop does, so every count in the cases is per layer times two.
 
 Padding comes from the tokenizer's [B, L] int attention_mask: "ones" (the run-time check's fast
 branch, the kernel with an all-true key padding), "right" (rows of different lengths, padded at the
@@ -29,9 +31,9 @@ import torch
 from torch import nn
 
 from fusionpass.config import FUSION_NAMES
-from fusionpass.conformance import DTYPES, Case, dtype_name
+from fusionpass.conformance import Case, dtype_name
+from fusionpass.conformance.builders import FP32
 
-FP32, FP16, BF16 = DTYPES["fp32"], DTYPES["fp16"], DTYPES["bf16"]
 LAYERS = 2
 KERNEL = {"attention_kernel": True}  # the opt-in SDPA kernel route
 NO_ROPE = {"fusions": [f for f in FUSION_NAMES if f != "rope"]}  # q's rotation stays in the graph
@@ -442,7 +444,7 @@ def make_layers(family, shape: Shape, padding: str | None = None, **options):
 FP32_KEPT_OUT = "fp32 q/k/v"
 
 
-def _kernel(rotary: str | None = None, rope_attention_training: bool = False, out_proj: bool = True):
+def kernel_counts(rotary: str | None = None, rope_attention_training: bool = False, out_proj: bool = True):
     """expect(train, shape, dtype) where every layer goes to fusionpass::flash_attention, and its
     output straight to the output projection (attention_out_proj; not Falcon's eager flatten +
     _merge_heads, a near miss). `rotary`: "rope" where the rope fusion rotates q and k first,
@@ -465,13 +467,6 @@ def _kernel(rotary: str | None = None, rope_attention_training: bool = False, ou
     return expect
 
 
-def _decode(train: bool, shape: Shape, dtype) -> dict:
-    return {} if dtype == FP32 else {"decode_attention": LAYERS}
-
-
-_decode.kernel_route = True
-
-
 def _case(fusion, variant, form, dtype, shape, train, make, expect, config=None, padding=None, near_miss=None):
     form = form if padding is None else f"{form}-{padding}"
     return Case(
@@ -481,7 +476,7 @@ def _case(fusion, variant, form, dtype, shape, train, make, expect, config=None,
     )
 
 
-def _cases(fusion, variant, form, family, expect, rows, config=None, **options) -> list[Case]:
+def layer_cases(fusion, variant, form, family, expect, rows, config=None, **options) -> list[Case]:
     """One case per (dtype, shape, train, padding) row; `expect(train, shape, dtype)` gives its
     match counts. fp32 rows of a kernel route check that fp32 stays out (FP32_KEPT_OUT)."""
     return [_case(fusion, variant, form, dtype, shape, train, make_layers(family, shape, padding, **options),
@@ -490,39 +485,8 @@ def _cases(fusion, variant, form, family, expect, rows, config=None, **options) 
             for dtype, shape, train, padding in rows]
 
 
-def _always(**counts):
+def always(**counts):
     return lambda train, shape, dtype: counts
-
-
-CUDNN_PADDING = {"attention_cudnn_padding": True}  # fusionpass::padded_attention (opt-in)
-
-
-def _cudnn_route(train: bool, shape: Shape, dtype) -> dict:
-    """Every layer's attention through fusionpass::padded_attention: rope matches, flash_attention
-    counts the match; the op is not one attention_out_proj or rope_attention edit."""
-    return {"rope": LAYERS} if dtype == FP32 else {"rope": LAYERS, "flash_attention": LAYERS}
-
-
-_cudnn_route.kernel_route = True
-
-
-def _cudnn_cases(rows) -> list[Case]:
-    """The cuDNN route's cases: on CUDA they fail without cudnn-frontend (the `cudnn` extra), so that
-    a run without it can never pass them through our kernel alone."""
-    cases = _cases("flash_attention", "causal_kernel_padded", "llama-sdpa-cudnn", Llama, _cudnn_route, rows,
-                   CUDNN_PADDING, impl="sdpa")
-
-    def needs_cudnn(make):
-        def checked(dtype, device):
-            from fusionpass.kernels import cudnn_attention
-
-            if torch.device(device).type == "cuda" and not cudnn_attention.available():
-                raise RuntimeError("cudnn-frontend is not installed: the cuDNN route's cases need the cudnn extra")
-            return make(dtype, device)
-
-        return checked
-
-    return [dataclasses.replace(c, make=needs_cudnn(c.make)) for c in cases]
 
 
 # shapes: GQA decoders (Llama, Mistral), then multi-head families; padded ones have B >= 2
@@ -542,200 +506,3 @@ MP77 = Shape(3, 12, 12, 77, 64)
 F77 = Shape(2, 16, 16, 77, 64)
 MP513 = Shape(2, 8, 8, 513, 80)
 MP1000 = Shape(2, 4, 4, 1000, 96)
-
-ATTENTION_CASES = [
-    # SDPA with transformers' boolean masks, proven causal / all-true: SDPA keeps the call, without
-    # the mask (GQA through enable_gqa); rope fuses the Llama rotation alongside
-    *_cases("sdpa_mask", "causal_mask", "llama-sdpa", Llama, _always(rope=LAYERS, sdpa_mask=LAYERS), [
-        (BF16, G77, True, None), (FP16, G513, False, None), (FP32, G1000, True, None),
-    ], impl="sdpa"),
-    *_cases("sdpa_mask", "none_mask", "bert-sdpa", Bert, _always(sdpa_mask=LAYERS), [
-        (BF16, M513, True, None), (FP16, M77, False, None), (FP32, M1000, False, None),
-    ]),
-    # (the same AND the attention_mask's padding through torch.cond, causal/none_mask_if_unpadded,
-    # is CPU only: Inductor's CUDA lowering of the cond failed in every case, fusions/sdpa_runtime_check/pattern.py)
-    # attention written in torch ops -> fusionpass::flash_attention (on by default)
-    *_cases("flash_attention", "eager_kernel", "gpt2-eager", GPT2, _kernel(), [
-        (BF16, M77, True, None), (FP16, M513, True, None), (FP32, M1000, False, None), (BF16, M1000, False, None),
-    ]),
-    *_cases("flash_attention", "eager_alibi_kernel", "bloom-eager", Bloom, _kernel(), [
-        (BF16, M77, True, None), (FP16, M513, False, None), (BF16, Shape(2, 12, 12, 1000, 80), True, None),
-        (FP32, Shape(2, 12, 12, 1000, 80), True, None),
-    ]),
-    *_cases("flash_attention", "eager_alibi_kernel", "mpt-eager", Mpt, _kernel(), [
-        (BF16, Shape(2, 8, 8, 333, 96), False, None), (FP16, M77, True, None), (BF16, M513, True, None),
-        (FP32, M513, True, None),
-    ]),
-    # Falcon: power-of-two head counts (its ALiBi rounds slope * position to bf16 even in an fp32
-    # model, which Inductor's code does not: with other head counts plain torch.compile is 1e-3 off)
-    # fp32 only, so never selected on CUDA (FP32_KEPT_OUT): in bf16/fp16 Falcon upcasts its scores
-    # after viewing them, which the eager route does not follow (a near miss). (Its _merge_heads
-    # after a flatten is no head merge attention_out_proj knows, a near miss too.)
-    *_cases("flash_attention", "eager_alibi_mask_kernel", "falcon-eager", Falcon, _kernel(out_proj=False), [
-        (FP32, M513, True, None), (FP32, F77, False, None),
-    ], impl="eager"),
-    # SDPA whose float mask carries Falcon's ALiBi -> the kernel with a per-key bias (on by default)
-    *_cases("flash_attention", "alibi_mask_kernel", "falcon-sdpa", Falcon, _kernel(), [
-        (BF16, F77, False, None), (FP16, M513, True, None), (FP32, M1000, False, None),
-        (BF16, Shape(2, 16, 1, 513, 64), True, None),  # multi-query
-    ], impl="sdpa"),
-    # the same with left padding, inference only: the rows that see no key get SDPA's average of
-    # the values (written after the kernel, so no token-major output for the projection). Not
-    # fp16, whose fill (-65504) does not absorb the scores (a near miss by design)
-    *_cases("flash_attention", "alibi_mask_kernel_padded", "falcon-sdpa", Falcon, _kernel(out_proj=False), [
-        (BF16, Shape(3, 16, 1, 513, 64), False, "left"), (BF16, Shape(3, 16, 16, 77, 64), False, "left"),
-        (FP32, Shape(3, 16, 16, 77, 64), False, "left"),
-    ], impl="sdpa"),
-    # the opt-in kernel route for SDPA: sliding windows, causal / all-true masks AND padding
-    *_cases("flash_attention", "sliding_window_kernel", "mistral-sdpa", Llama, _kernel("rope"), [
-        (BF16, G77, True, None), (FP16, G513, False, None), (BF16, G1000, True, None), (FP32, G1000, True, None),
-    ], KERNEL, impl="sdpa", window=True),
-    *_cases("flash_attention", "sliding_window_kernel_padded", "mistral-sdpa", Llama,
-            _kernel("rope"), [
-        (BF16, GP513, False, "left"), (FP16, GP77, True, "right"), (BF16, GP1000, False, "right"),
-        (FP32, GP1000, False, "right"),
-    ], KERNEL, impl="sdpa", window=True),
-    *_cases("flash_attention", "causal_kernel_padded", "llama-sdpa", Llama, _kernel("rope"), [
-        (BF16, GP77, True, "right"), (FP16, GP513, False, "left"), (BF16, GP1000, True, "left"),
-        (FP32, GP1000, True, "left"),
-    ], KERNEL, impl="sdpa"),
-    # causal AND padding at the default config (attention_causal_padding), without attention_kernel
-    *_cases("flash_attention", "causal_kernel_padded", "llama-sdpa-default", Llama, _kernel("rope"), [
-        (BF16, GP77, True, "ones"), (FP16, GP513, True, "left"), (BF16, GP1000, False, "right"),
-        (FP16, GP1000, True, "right"), (FP32, GP77, True, "left"), (BF16, GP77, True, "left_empty"),
-        (FP16, GP513, False, "left_empty"),
-    ], impl="sdpa"),
-    # ... but not at head dim 256, where our kernel lost to plain compile's masked SDPA
-    # (CAUSAL_PADDING_HEAD_DIM): plain compile's route stays, with the rule as its near miss
-    *[dataclasses.replace(c, near_miss="head dim of a causal mask with key padding 256 > 128")
-      for c in _cases("flash_attention", "causal_kernel_padded", "llama-sdpa-default-d256", Llama, _always(rope=LAYERS),
-                      [(BF16, GPD256, True, "right"), (FP16, GPD256, False, "ones")], impl="sdpa")],
-    # the cuDNN route (attention_cudnn_padding): each head dim it takes, all ones, right and left
-    # padding, a row with no token, training and inference
-    *_cudnn_cases([
-        (BF16, GP77, True, "ones"), (BF16, GP77, True, "right"), (FP16, GP77, True, "left"),
-        (BF16, GP77, False, "left_empty"), (BF16, GP513, True, "right"), (FP16, GP513, True, "left_empty"),
-        (BF16, GPD256, True, "right"), (BF16, GPD256, False, "ones"), (FP32, GP77, True, "right"),
-    ]),
-    # sliding windows at the default config (attention_sliding_window), without attention_kernel:
-    # windows of 1, 64 and 333 keys, with and without padding (left padding: rows that see no key)
-    *_cases("flash_attention", "sliding_window_kernel", "mistral-sdpa-default-w1", Llama, _kernel("rope"), [
-        (BF16, G77, True, None), (FP16, G77, False, None),
-    ], impl="sdpa", window=1),
-    *_cases("flash_attention", "sliding_window_kernel", "mistral-sdpa-default-w64", Llama, _kernel("rope"), [
-        (BF16, G513, True, None), (FP16, G513, False, None), (FP32, G513, True, None),
-    ], impl="sdpa", window=64),
-    *_cases("flash_attention", "sliding_window_kernel_padded", "mistral-sdpa-default-w64", Llama, _kernel("rope"), [
-        (BF16, GP513, True, "left"), (FP16, GP77, True, "right"), (BF16, GP77, False, "ones"),
-        (BF16, GP513, True, "left_empty"),
-    ], impl="sdpa", window=64),
-    *_cases("flash_attention", "sliding_window_kernel", "mistral-sdpa-default-w333", Llama, _kernel("rope"), [
-        (BF16, G1000, True, None), (FP16, G1000_128, False, None),
-    ], impl="sdpa", window=333),
-    *_cases("flash_attention", "sliding_window_kernel_padded", "mistral-sdpa-default-w333", Llama,
-            _kernel("rope"), [
-        (BF16, GP1000, True, "right"), (FP16, GP1000, False, "left"),
-    ], impl="sdpa", window=333),
-    # MLA (q/k head dim 192, v 128: v padded to 192 for the kernel, the output cut back) with the
-    # collator's attention_mask (opt-in: attention_mla); the cut output is no head merge for
-    # attention_out_proj
-    *_cases("flash_attention", "causal_kernel_padded", "deepseek-v3-mla-sdpa", DeepseekMLA, _kernel(out_proj=False), [
-        (BF16, Shape(2, 8, 8, 333, 192), True, "ones"), (BF16, Shape(3, 4, 4, 513, 192), True, "left_empty"),
-        (FP16, Shape(2, 8, 8, 77, 192), False, "right"), (FP32, Shape(2, 4, 4, 77, 192), True, "left"),
-    ], {"attention_mla": True}),
-    # packed sequences (DataCollatorWithFlattening: one row, position ids restarting, sequences of
-    # one token among them) at the default config (attention_packed)
-    *_cases("flash_attention", "causal_kernel_packed", "llama-sdpa-packed", PackedLlama, _kernel("rope"), [
-        (BF16, Shape(1, 16, 4, 333, 64), True, None), (FP16, Shape(1, 8, 8, 513, 128), False, None),
-        (BF16, Shape(1, 12, 2, 1000, 80), True, None), (FP32, Shape(1, 16, 4, 77, 64), True, None),
-    ], impl="sdpa"),
-    *_cases("flash_attention", "none_kernel_padded", "bert-sdpa", Bert, _kernel(), [
-        (BF16, MP513, False, "left"), (FP16, MP77, True, "right"), (FP16, MP1000, False, "ones"),
-        (FP32, MP1000, False, "ones"),
-    ], KERNEL),
-    # an encoder's padding collator at the default config (attention_padding), without
-    # attention_kernel: right and left padding, no row padded, a batch row padded whole; head dim
-    # 64, where its cost rules select it
-    *_cases("flash_attention", "none_kernel_padded", "bert-sdpa-default", Bert, _kernel(), [
-        (BF16, Shape(2, 8, 8, 513, 64), True, "right"), (FP16, MP77, True, "left"),
-        (BF16, Shape(3, 12, 12, 333, 64), True, "ones"), (BF16, MP77, True, "left_empty"),
-        (FP16, Shape(2, 4, 4, 1000, 64), False, "right"), (FP32, MP77, True, "right"),
-    ]),
-]
-
-# decode steps over a static cache (inference only: the kernel is forward-only); the prompt fills
-# part of the cache, the step's tokens go after it
-DECODE_CASES = [
-    *_cases("decode_attention", "static_cache", "llama-sdpa", StaticCacheDecode, _decode, [
-        (BF16, Shape(2, 16, 4, 1000, 128, q=1), False, None), (FP16, Shape(3, 8, 8, 513, 64, q=4), False, "left"),
-        (BF16, Shape(1, 12, 2, 333, 256, q=16), False, None), (FP32, Shape(1, 12, 2, 333, 256, q=16), False, None),
-    ], impl="sdpa", prompt=301),
-    # head dims that are not powers of two (padded in registers; opt-in: decode_attention_padded_head_dims)
-    *_cases("decode_attention", "static_cache", "llama-sdpa", StaticCacheDecode, _decode, [
-        (BF16, Shape(2, 16, 4, 1000, 80, q=1), False, "left"), (FP16, Shape(3, 8, 8, 333, 96, q=4), False, None),
-    ], {"decode_attention_padded_head_dims": True}, impl="sdpa", prompt=301),
-    *_cases("decode_attention", "static_cache", "llama-eager", StaticCacheDecode, _decode, [
-        (BF16, Shape(3, 8, 2, 513, 64, q=4), False, "left"), (FP16, Shape(1, 16, 4, 1000, 256, q=1), False, None),
-        (FP16, Shape(2, 12, 12, 77, 128, q=16), False, "right"), (FP32, Shape(2, 12, 12, 77, 128, q=16), False, "right"),
-    ], impl="eager", prompt=45),
-    # generate()'s compiled decode step: a [B, 1, 1, L] mask built outside the graph
-    *_cases("decode_attention", "one_query_any_mask", "llama-sdpa-prebuilt", StaticCacheDecode,
-            _decode, [
-        (BF16, Shape(2, 16, 4, 513, 128, q=1), False, "left"),
-    ], impl="sdpa", prompt=301, prebuilt=True),
-]
-
-# q's rotation moved into the kernel that reads it: inference by default (training opted in).
-# rope_kernel: rope fused q and k into one fusionpass::rope call first (sequences of >= 64 tokens),
-# rope_attention takes q's output and leaves a k-only rope call; graph_rotation: rope off, q's
-# rotation is still the graph's (rotate_half; GPT-J's interleaved partial form, fp32, stays out)
-ROPE_ATTENTION_CASES = [
-    *_cases("rope_attention", "rope_kernel", "llama-eager", Llama, _kernel("rope"), [
-        (BF16, G77, False, None), (FP16, G513, False, None), (BF16, G1000_128, False, None),
-        (FP32, G1000_128, False, None),
-    ], impl="eager"),
-    *_cases("rope_attention", "rope_kernel", "llama-eager", Llama,
-            _kernel("rope", True), [
-        (BF16, G333_256, True, None),
-    ], {"rope_attention_training": True}, impl="eager"),
-    *_cases("rope_attention", "rope_kernel", "llama-sdpa", Llama, _kernel("rope"), [
-        (BF16, Shape(3, 16, 4, 333, 128), False, "right"),
-    ], KERNEL, impl="sdpa"),
-    # GPT-J is fp32 only (its _attn upcasts q and k), so on CUDA these check that it stays out
-    *_cases("rope_attention", "rope_kernel", "gptj-eager", GPTJ, _kernel("rope"), [
-        (FP32, M77, False, None),
-    ], {"rope_attention_interleaved": True}),
-    *_cases("rope_attention", "graph_rotation", "llama-eager", Llama,
-            _kernel("graph", True), [
-        (BF16, G77, False, None), (FP16, G1000_128, False, None), (BF16, G513, False, None), (FP32, G513, False, None),
-    ], NO_ROPE, impl="eager"),
-    *_cases("rope_attention", "graph_rotation", "llama-eager", Llama,
-            _kernel("graph", True), [
-        (BF16, G77, True, None), (FP32, G77, True, None),
-    ], {**NO_ROPE, "rope_attention_training": True}, impl="eager"),
-    *_cases("rope_attention", "graph_rotation", "gptj-eager", GPTJ,
-            _kernel("graph", True), [
-        (FP32, M513, False, None),
-    ], {**NO_ROPE, "rope_attention_interleaved": True}),
-]
-
-# the kernel writes its output token-major where the heads are merged for the output projection
-OUT_PROJ_CASES = [
-    *_cases("attention_out_proj", "merge_heads", "bloom-eager", Bloom, _kernel(), [
-        (BF16, M1000, False, None), (FP16, Shape(2, 12, 12, 77, 80), True, None), (BF16, M513, False, None),
-        (FP32, M513, False, None),
-    ]),
-    *_cases("attention_out_proj", "transpose_reshape", "gpt2-eager", GPT2,
-            _kernel(), [
-        (BF16, M77, True, None), (FP32, M77, True, None),
-    ]),
-    *_cases("attention_out_proj", "transpose_reshape", "llama-eager", Llama,
-            _kernel("rope"), [
-        (BF16, G513, True, None),
-    ], impl="eager"),
-    *_cases("attention_out_proj", "transpose_reshape", "mpt-eager", Mpt, _kernel(), [
-        (FP16, MP1000, False, None),
-    ]),
-]
-
-CASES = [*ATTENTION_CASES, *DECODE_CASES, *ROPE_ATTENTION_CASES, *OUT_PROJ_CASES]
