@@ -95,28 +95,39 @@ def _plus_residual(h, R, roff, stride_r, c, mask, HAS_RESIDUAL: tl.constexpr, SU
 
 
 @triton.jit
-def _persistent_cols(N, BLOCK_N: tl.constexpr):
-    """The in-register backward's indexing: this program's place in the persistent grid (pid, and
-    the grid's size) and the row's BLOCK_N columns (indices, which of them exist, as a row)."""
+def _persistent_tiles(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The in-register backward's persistent grid: this program's index, the grid's size, the
+    number of BLOCK_M-row tiles it walks, and the row's BLOCK_N columns (indices, which of them
+    exist, as a row)."""
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
+    num_tiles = tl.cdiv(M, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
     c = cols[None, :]
-    return pid, num_progs, cols, col_ok, c
+    return pid, num_progs, num_tiles, cols, col_ok, c
 
 
+# The helpers below take no pointer that their results lead to: torch's analysis of which kernel
+# arguments a launch writes (Inductor clones those) counts every pointer passed to a call as
+# written where a store's address depends on the call's results.
 @triton.jit
-def _bwd_row_tile(DY, H, stride_dy, stride_h, tile, M, c, col_ok, BLOCK_M: tl.constexpr):
-    """Row tile `tile` of the in-register backward: its rows (indices, which exist, tile mask, int64
-    offsets) and dy and h there in fp32. Each is read once, so evict_first."""
+def _tile_rows(tile, M, col_ok, BLOCK_M: tl.constexpr):
+    """Row tile `tile` of the in-register backward: its rows (indices, which exist), the tile's
+    mask and the rows' int64 offsets as a column."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     mask = row_ok[:, None] & col_ok[None, :]
     roff = rows.to(tl.int64)[:, None]
+    return rows, row_ok, mask, roff
+
+
+@triton.jit
+def _load_dy_h(DY, H, roff, stride_dy, stride_h, c, mask):
+    """dy and h of a row tile in fp32; each is read once, so evict_first."""
     dy = tl.load(DY + roff * stride_dy + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     h = tl.load(H + roff * stride_h + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    return rows, row_ok, mask, roff, dy, h
+    return dy, h
 
 
 @triton.jit

@@ -29,7 +29,6 @@ from fusionpass.kernels.common import (
     MAX_FUSED_BWD,
     _as_2d,
     _bwd_chunk,
-    _bwd_row_tile,
     _check_param,
     _checked_bwd_width,
     _checked_width,
@@ -38,11 +37,13 @@ from fusionpass.kernels.common import (
     _device_guard,
     _for_store,
     _fwd_chunk,
-    _persistent_cols,
+    _load_dy_h,
     _persistent_grid,
+    _persistent_tiles,
     _plus_residual,
     _round,
     _row_block,
+    _tile_rows,
     _warps_bwd,
     _warps_fwd,
 )
@@ -207,14 +208,14 @@ def _bwd_kernel(
     DX_DT: tl.constexpr = DX.dtype.element_ty
     DR_DT: tl.constexpr = DR.dtype.element_ty
     k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
-    pid, num_progs, cols, col_ok, c = _persistent_cols(N, BLOCK_N)
+    pid, num_progs, num_tiles, cols, col_ok, c = _persistent_tiles(M, N, BLOCK_M, BLOCK_N)
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    num_tiles = tl.cdiv(M, BLOCK_M)
     for tile in range(pid, num_tiles, num_progs):
-        rows, row_ok, mask, roff, dy, h = _bwd_row_tile(DY, H, stride_dy, stride_h, tile, M, c, col_ok, BLOCK_M)
+        rows, row_ok, mask, roff = _tile_rows(tile, M, col_ok, BLOCK_M)
+        dy, h = _load_dy_h(DY, H, roff, stride_dy, stride_h, c, mask)
         mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
         xhat = tl.where(mask, (h - mean) * rstd, 0.0)

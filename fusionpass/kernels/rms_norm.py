@@ -23,7 +23,6 @@ from fusionpass.kernels.common import (
     MAX_FUSED_BWD,
     _as_2d,
     _bwd_chunk,
-    _bwd_row_tile,
     _check_param,
     _checked_bwd_width,
     _checked_width,
@@ -32,11 +31,13 @@ from fusionpass.kernels.common import (
     _device_guard,
     _for_store,
     _fwd_chunk,
-    _persistent_cols,
+    _load_dy_h,
     _persistent_grid,
+    _persistent_tiles,
     _plus_residual,
     _round,
     _row_block,
+    _tile_rows,
     _warps_bwd,
     _warps_fwd,
 )
@@ -140,14 +141,14 @@ def _bwd_kernel(
     # registers across them, writing it once to DWP[pid, :] (no atomics).
     IN_DT: tl.constexpr = H.dtype.element_ty
     DX_DT: tl.constexpr = DX.dtype.element_ty
-    pid, num_progs, cols, col_ok, c = _persistent_cols(N, BLOCK_N)
+    pid, num_progs, num_tiles, cols, col_ok, c = _persistent_tiles(M, N, BLOCK_M, BLOCK_N)
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         w = (w + weight_offset)[None, :]
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    num_tiles = tl.cdiv(M, BLOCK_M)
     for tile in range(pid, num_tiles, num_progs):
-        rows, row_ok, mask, roff, dy, h = _bwd_row_tile(DY, H, stride_dy, stride_h, tile, M, c, col_ok, BLOCK_M)
+        rows, row_ok, mask, roff = _tile_rows(tile, M, col_ok, BLOCK_M)
+        dy, h = _load_dy_h(DY, H, roff, stride_dy, stride_h, c, mask)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
         n = h * rstd
         if HAS_WEIGHT:
