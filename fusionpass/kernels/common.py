@@ -108,9 +108,9 @@ def _persistent_tiles(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     return pid, num_progs, num_tiles, cols, col_ok, c
 
 
-# The helpers below take no pointer that their results lead to: torch's analysis of which kernel
+# The row indices and offsets come from helpers that take no pointers: torch's analysis of which
 # arguments a launch writes (Inductor clones those) counts every pointer passed to a call as
-# written where a store's address depends on the call's results.
+# written where a store's address depends on that call's results.
 @triton.jit
 def _tile_rows(tile, M, col_ok, BLOCK_M: tl.constexpr):
     """Row tile `tile` of the in-register backward: its rows (indices, which exist), the tile's
@@ -247,7 +247,8 @@ def _bwd_chunk(limit: int) -> int:
     return min(_CHUNK, triton.next_power_of_2(limit))
 
 
-def _chunked_bwd_grid(device: torch.device, row_bytes: int, resident_per_sm: int, m, num_programs: int | None) -> int:
+def _chunked_bwd_grid(device: torch.device, row_bytes: int, resident_per_sm: int, m,
+                      num_programs: int | None) -> int:
     """Size of the chunked backward's persistent grid over m rows of `row_bytes` each: at most
     `resident_per_sm` programs on each SM, fewer where their rows would not stay in L2 between
     the two passes."""

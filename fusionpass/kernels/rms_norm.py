@@ -250,8 +250,9 @@ def _dw_reduce_kernel(P, DW, G, N, ROUND_BITS: tl.constexpr, BLOCK_G: tl.constex
 
 
 def _programs_per_sm(num_warps: int) -> int:
-    # Every variant compiles to <= 102 registers per thread for sm_90 (see kernels/common.py, MAX_FUSED_BWD), so up to
-    # 64 warps could be resident; half of that measured faster (benchmarks/results/latest/rms_norm_residual.md).
+    # Every variant compiles to <= 102 registers per thread for sm_90 (kernels/common.py,
+    # MAX_FUSED_BWD), so up to 64 warps could be resident; half of that measured faster
+    # (benchmarks/results/latest/rms_norm_residual.md).
     return max(1, 32 // num_warps)
 
 
