@@ -13,6 +13,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def schema_of(op) -> str:
+    """The arguments and returns of the custom op `op`, as custom_op's `schema` takes them: a host
+    op that takes what its public op takes declares its arguments once, in the public op."""
+    return op._schema
+
+
 def empty_like(t: Tensor) -> Tensor:
     """A contiguous output of t's shape and dtype."""
     return torch.empty_like(t, memory_format=torch.contiguous_format)

@@ -113,6 +113,22 @@ def binary_operands(node) -> tuple | None:
     return node.args[0], node.args[1]
 
 
+def same_shape_add_operands(node) -> tuple | None:
+    """(a, b) if node = a + b of two tensors of node's shape (a residual add, not a broadcast
+    bias)."""
+    if not is_op(node, "add"):
+        return None
+    pair = binary_operands(node)
+    if pair is None:
+        return None
+    out = tensor(node)
+    for operand in pair:
+        t = tensor(operand)
+        if out is None or t is None or t.shape != out.shape:
+            return None
+    return pair
+
+
 def commuted(node) -> list[tuple]:
     """Both operand orders of a commutative binary node (add, mul)."""
     pair = binary_operands(node)

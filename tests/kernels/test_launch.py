@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from fusionpass.fusions.layer_norm_dropout_residual import kernels as LN
-from fusionpass.kernels.launch import check_private_outputs, launcher, written_arguments
 from fusionpass.fusions.layer_norm_dropout_residual.kernels import layer_norm_bwd, layer_norm_fwd
+from fusionpass.fusions.rms_norm_residual.kernels import rms_norm_bwd, rms_norm_fwd
+from fusionpass.kernels import launch
+from fusionpass.kernels.launch import check_private_outputs, launcher, written_arguments
 from fusionpass.kernels.rope import rope
 
 
@@ -29,6 +31,35 @@ def test_a_written_argument_passed_twice_is_refused():
         check_private_outputs(LN._reduce_kernel, _reduce_args(p, o, p, o))
     with pytest.raises(RuntimeError, match="shares memory"):
         launcher(LN._reduce_kernel, p)[(1, 1)](p, o, p[:1], o[:4], 4, 8, ROUND_BITS=True, BLOCK_G=4, BLOCK_N=32)
+
+
+def _written_by_launches(run) -> set:
+    """(kernel, argument) for each argument that torch's analysis says a launch of `run()` writes."""
+    written = set()
+
+    def recording(kernel, kwargs):
+        written.update((kernel.fn.__name__, name) for name in written_arguments(kernel, kwargs))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "check_private_outputs", recording)
+        run()
+    return written
+
+
+def test_norm_backward_kernels_write_only_their_outputs():
+    # the kernels' shared jit helpers (kernels/common.py) must not make torch's analysis count dy
+    # or h as written (a store address computed from a call's results counts every pointer passed
+    # to that call): Inductor would clone them for every launch
+    x, r, w = torch.randn(7, 64), torch.randn(7, 64), torch.randn(64)
+
+    def backwards():
+        y, h, mean, rstd = layer_norm_fwd(x, r, w, w, 1e-5)
+        layer_norm_bwd(torch.randn_like(y), torch.randn_like(h), h, mean, rstd, w, w)
+        y, h, rstd = rms_norm_fwd(x, r, w, 1e-6)
+        rms_norm_bwd(torch.randn_like(y), torch.randn_like(h), h, rstd, w)
+
+    written = _written_by_launches(backwards)
+    assert {name for kernel, name in written if kernel == "_bwd_kernel"} == {"DX", "DWP", "DBP"}
 
 
 def test_read_only_arguments_may_share_memory():

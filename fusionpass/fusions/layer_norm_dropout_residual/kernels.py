@@ -26,13 +26,24 @@ import triton.language as tl
 from fusionpass.kernels.common import (
     _FLOAT_DTYPES,
     _TILE,
+    MAX_FUSED_BWD,
     _as_2d,
+    _bwd_chunk,
+    _check_param,
+    _checked_bwd_width,
+    _checked_width,
+    _chunked_bwd_grid,
+    _col_sum,
     _device_guard,
     _for_store,
     _fwd_chunk,
-    _l2_programs_per_sm,
+    _load_dy_h,
     _persistent_grid,
+    _persistent_tiles,
+    _plus_residual,
     _round,
+    _row_block,
+    _tile_rows,
     _warps_bwd,
     _warps_fwd,
 )
@@ -46,17 +57,10 @@ from fusionpass.kernels.rng import rng_key
 
 __all__ = ["dropout_mask", "layer_norm_bwd", "layer_norm_fwd"]
 
-# Backward rows whose next power of two is at most this stay in registers, one row (or a tile of
-# rows) per program; longer rows loop over chunks of _CHUNK columns. (An 8192 row with dropout
-# spills for sm_90 at 16 warps, yet measured faster than the best chunked launch; benchmarks/results/latest/layer_norm_dropout_residual.md.)
-MAX_FUSED_BWD = 8192
 # Registers per thread of the backward kernels for sm_90 (ptxas, every flag combination and dtype:
 # 59..116, the most with dropout, dh, dweight, dbias and dresidual): residency of a persistent
 # program on launches the measured tables below do not cover.
 _BWD_REGS = 116
-_CHUNK = 4096
-# The backward is persistent; more programs per SM than this only grows the dweight partials.
-_MAX_PROGRAMS_PER_SM = 4
 
 
 
@@ -84,11 +88,7 @@ def _fwd_kernel(
     # residual stream stays fp32 while the block's output is bf16), or the other way round
     H_DT: tl.constexpr = tl.float32 if H_FP32 else IN_DT
     k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    roff = rows.to(tl.int64)[:, None]
+    rows, cols, row_ok, roff = _row_block(M, BLOCK_M, BLOCK_N)
 
     if ONE_PASS:
         c = cols[None, :]
@@ -158,10 +158,7 @@ def _load_h(X, R, roff, rows, c0, c, mask, stride_x, stride_r, scale, k0, k1, o0
     if DROPOUT:
         keep = keep_mask(k0, k1, o0, o1, t, rows, c0, BLOCK_M, BLOCK_N)
         h = tl.where(keep, _round(h * scale, IN_DT, ROUND_BITS), 0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(R + roff * stride_r + c, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        h = _round(h + r, H_DT, ROUND_BITS)
-    return h
+    return _plus_residual(h, R, roff, stride_r, c, mask, HAS_RESIDUAL, H_DT, ROUND_BITS, EVICT)
 
 
 @triton.jit
@@ -211,23 +208,14 @@ def _bwd_kernel(
     DX_DT: tl.constexpr = DX.dtype.element_ty
     DR_DT: tl.constexpr = DR.dtype.element_ty
     k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
-    pid = tl.program_id(0)
-    num_progs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    c = cols[None, :]
+    pid, num_progs, num_tiles, cols, col_ok, c = _persistent_tiles(M, N, BLOCK_M, BLOCK_N)
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    num_tiles = tl.cdiv(M, BLOCK_M)
     for tile in range(pid, num_tiles, num_progs):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
-        roff = rows.to(tl.int64)[:, None]
-        dy = tl.load(DY + roff * stride_dy + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        h = tl.load(H + roff * stride_h + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        rows, row_ok, mask, roff = _tile_rows(tile, M, col_ok, BLOCK_M)
+        dy, h = _load_dy_h(DY, H, roff, stride_dy, stride_h, c, mask)
         mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
         xhat = tl.where(mask, (h - mean) * rstd, 0.0)
@@ -331,18 +319,6 @@ def _bwd_chunked_kernel(
 
 
 @triton.jit
-def _col_sum(P, OUT, G, N, pid, ROUND_BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
-    for g0 in range(0, G, BLOCK_G):
-        rows = g0 + tl.arange(0, BLOCK_G)
-        mask = (rows < G)[:, None] & col_ok[None, :]
-        acc += tl.load(P + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
-    tl.store(OUT + cols, _for_store(tl.sum(acc, axis=0), OUT.dtype.element_ty, ROUND_BITS), mask=col_ok)
-
-
-@triton.jit
 def _reduce_kernel(P0, OUT0, P1, OUT1, G, N, ROUND_BITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr):
     # Column sums of [G, N] fp32 partials, cast to the parameter's dtype in the same pass; grid axis 1
@@ -391,17 +367,14 @@ def _programs_per_sm(num_warps: int) -> int:
     return max(1, min(64 // num_warps, 65536 // (_BWD_REGS * 32 * num_warps)))
 
 
-def _check_param(p, n, device, what):
-    if p is None:
-        return
-    if p.dim() != 1 or p.shape[0] != n:
-        raise ValueError(f"{what} must have shape [{n}], got {tuple(p.shape)}")
-    if p.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"unsupported {what} dtype {p.dtype}")
-    if p.device != device:
-        raise ValueError(f"{what} is on a different device")
-    if p.stride(0) != 1:
-        raise ValueError(f"{what} must be contiguous")
+def _checked_params_and_rng(weight, bias, n, device, p, seed, offset):
+    """(rng arguments, whether dropout is on) of a call, after checking weight and bias: the
+    kernels read them at unit stride."""
+    for param, what in ((weight, "weight"), (bias, "bias")):
+        _check_param(param, n, device, what)
+        if param is not None and param.stride(0) != 1:
+            raise ValueError(f"{what} must be contiguous")
+    return _rng_args(p, seed, offset, device), float(p) > 0.0
 
 
 def sum_dtype(x_dtype: torch.dtype, residual_dtype: torch.dtype | None) -> torch.dtype:
@@ -442,18 +415,11 @@ def layer_norm_fwd(
     knob; results do not depend on it.
     """
     del residual_first  # addition in fp32 then one rounding is commutative
-    if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"unsupported dtype {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError("x must have a non-empty last dimension")
-    n = x.shape[-1]
+    n = _checked_width(x)
     if residual is not None and (residual.shape != x.shape or residual.device != x.device):
         raise ValueError("residual must match x in shape and device")
     h_dtype = sum_dtype(x.dtype, None if residual is None else residual.dtype)
-    _check_param(weight, n, x.device, "weight")
-    _check_param(bias, n, x.device, "bias")
-    rng = _rng_args(p, seed, offset, x.device)
-    dropout = float(p) > 0.0
+    rng, dropout = _checked_params_and_rng(weight, bias, n, x.device, p, seed, offset)
 
     x2 = _as_2d(x, n)
     m = x2.shape[0]
@@ -540,17 +506,8 @@ def layer_norm_bwd(
     `max_chunk` (rows wider than this take the chunked path, with chunks of at most this many
     columns) and `num_programs` (persistent grid size) are tuning/testing knobs.
     """
-    if h.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"unsupported dtype {h.dtype}")
-    n = h.shape[-1]
-    if dy.shape != h.shape or dy.dtype not in _FLOAT_DTYPES or dy.device != h.device:
-        raise ValueError("dy must match h in shape and device")
-    if dh is not None and (dh.shape != h.shape or dh.dtype not in _FLOAT_DTYPES or dh.device != h.device):
-        raise ValueError("dh must match h in shape and device")
-    _check_param(weight, n, h.device, "weight")
-    _check_param(bias, n, h.device, "bias")
-    rng = _rng_args(p, seed, offset, h.device)
-    dropout = float(p) > 0.0
+    n = _checked_bwd_width(dy, dh, h)
+    rng, dropout = _checked_params_and_rng(weight, bias, n, h.device, p, seed, offset)
     h2 = _as_2d(h, n)
     m = h2.shape[0]
     for t, what in ((mean, "mean"), (rstd, "rstd")):
@@ -619,11 +576,10 @@ def _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, nee
         launcher(_bwd_kernel, h2)[(grid,)](*args(dwp, dbp), **flags, BLOCK_M=block_m, BLOCK_N=block_n,
                                             num_warps=warps)
     else:
-        block_n = max(_RNG_GROUP, min(_CHUNK, triton.next_power_of_2(limit)))
+        block_n = max(_RNG_GROUP, _bwd_chunk(limit))
         warps = _warps_bwd(block_n)
         elt = (dy2.element_size() + h2.element_size() + 8 + (dh2.element_size() if dh is not None else 0))
-        cap = _l2_programs_per_sm(dev, n * elt, _MAX_PROGRAMS_PER_SM) if dev.type == "cuda" else 1
-        grid = _persistent_grid(min(cap, _programs_per_sm(warps)), dev, m, num_programs)
+        grid = _chunked_bwd_grid(dev, n * elt, _programs_per_sm(warps), m, num_programs)
         dwp, dbp = partials(grid)
         launcher(_bwd_chunked_kernel, h2)[(grid,)](*args(dwp, dbp), **flags, BLOCK_N=block_n, num_warps=warps)
 

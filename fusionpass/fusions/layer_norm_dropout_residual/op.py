@@ -189,68 +189,6 @@ def _backward_outputs(h, dx, dresidual, dweight, dbias):
 
 
 # ---------------------------------------------------------------------------------------------
-# host ops: CPU tensors go through opaque custom ops, because Inductor cannot trace a Triton
-# kernel that runs under the interpreter.
-
-
-@torch.library.custom_op("fusionpass::layer_norm_forward_host", mutates_args=())
-def _forward_host(
-    x: Tensor,
-    residual: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    seed: Tensor | None,
-    eps: float,
-    p: float,
-    store_h: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    impl = _kernel_forward if host.interpreting() else _reference_forward
-    y, h, mean, rstd = impl(x, residual, weight, bias, seed, eps, p, store_h)
-    return _forward_outputs(x, y, h, mean, rstd)
-
-
-@_forward_host.register_fake
-def _(x, residual, weight, bias, seed, eps, p, store_h):
-    stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    h = _sum_like(x, residual) if store_h else host.none(x)
-    return _sum_like(x, residual), h, stats, torch.empty_like(stats)
-
-
-@torch.library.custom_op("fusionpass::layer_norm_backward_host", mutates_args=())
-def _backward_host(
-    dy: Tensor,
-    dh: Tensor | None,
-    h: Tensor,
-    mean: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    seed: Tensor | None,
-    p: float,
-    need_dweight: bool,
-    need_dbias: bool,
-    need_dresidual: bool,
-    x_dtype: torch.dtype,
-    residual_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    impl = _kernel_backward if host.interpreting() else _reference_backward
-    args = (dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual, x_dtype,
-            residual_dtype)
-    return _backward_outputs(h, *impl(*args))
-
-
-@_backward_host.register_fake
-def _(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual, x_dtype,
-      residual_dtype):
-    return (
-        h.new_empty(h.shape, dtype=x_dtype),
-        h.new_empty(h.shape, dtype=residual_dtype) if need_dresidual else host.none(h),
-        torch.empty_like(weight) if need_dweight else host.none(h),
-        torch.empty_like(bias) if need_dbias else host.none(h),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
 # public ops: triton_ops, so that on CUDA torch.compile traces into them and Inductor launches the
 # kernels from its generated code (as opaque custom ops, their Python dispatch costs as much host
 # time as the kernel itself, see fusions/rms_norm_residual/op.py).
@@ -311,6 +249,47 @@ def _gradients_apart(p: float, x_dtype: torch.dtype, residual_dtype: torch.dtype
     """Whether the gradients of x and of the residual are two tensors: dropout scales x's, and
     operands of two dtypes each get theirs in their own."""
     return p > 0 or x_dtype != residual_dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# host ops: CPU tensors go through opaque custom ops, because Inductor cannot trace a Triton
+# kernel that runs under the interpreter.
+
+
+@torch.library.custom_op("fusionpass::layer_norm_forward_host", mutates_args=(),
+                         schema=host.schema_of(layer_norm_dropout_residual))
+def _forward_host(x, residual, weight, bias, seed, eps, p, store_h):
+    impl = _kernel_forward if host.interpreting() else _reference_forward
+    y, h, mean, rstd = impl(x, residual, weight, bias, seed, eps, p, store_h)
+    return _forward_outputs(x, y, h, mean, rstd)
+
+
+@_forward_host.register_fake
+def _(x, residual, weight, bias, seed, eps, p, store_h):
+    stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    h = _sum_like(x, residual) if store_h else host.none(x)
+    return _sum_like(x, residual), h, stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("fusionpass::layer_norm_backward_host", mutates_args=(),
+                         schema=host.schema_of(layer_norm_dropout_residual_backward))
+def _backward_host(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual, x_dtype,
+                   residual_dtype):
+    impl = _kernel_backward if host.interpreting() else _reference_backward
+    args = (dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual, x_dtype,
+            residual_dtype)
+    return _backward_outputs(h, *impl(*args))
+
+
+@_backward_host.register_fake
+def _(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweight, need_dbias, need_dresidual, x_dtype,
+      residual_dtype):
+    return (
+        h.new_empty(h.shape, dtype=x_dtype),
+        h.new_empty(h.shape, dtype=residual_dtype) if need_dresidual else host.none(h),
+        torch.empty_like(weight) if need_dweight else host.none(h),
+        torch.empty_like(bias) if need_dbias else host.none(h),
+    )
 
 
 def _setup(ctx, inputs, output):

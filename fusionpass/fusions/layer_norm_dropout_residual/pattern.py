@@ -107,21 +107,6 @@ def _strip_identities(node):
     return node, skipped
 
 
-def _residual_operands(h) -> tuple | None:
-    """(a, b) if h = a + b of two tensors of h's shape (a residual add, not a broadcast bias)."""
-    if not g.is_op(h, "add"):
-        return None
-    pair = g.binary_operands(h)
-    if pair is None:
-        return None
-    ht = g.tensor(h)
-    for t in pair:
-        tt = g.tensor(t)
-        if ht is None or tt is None or tt.shape != ht.shape:
-            return None
-    return pair
-
-
 def _is_private_sum(node) -> bool:
     """node = a + b (or a += b) of two same-shape tensors, read only by the residual add."""
     if not isinstance(node, fx.Node) or len(node.users) != 1:
@@ -131,7 +116,7 @@ def _is_private_sum(node) -> bool:
     elif node.op == "call_method" and node.target == "add_":
         pair = g.binary_operands(node)
     else:
-        pair = _residual_operands(node)
+        pair = g.same_shape_add_operands(node)
     if not pair:
         return False
     shapes = [getattr(g.tensor(t), "shape", None) for t in (*pair, node)]
@@ -173,7 +158,7 @@ def dropout_residual_form(ln: fx.Node) -> Match | None:
     """LayerNorm(dropout(x) + r) or LayerNorm(r + dropout(x)), the dropout active and read only
     by the add."""
     h, chain = _walk_back(_layer_norm_args(ln)["input"])
-    pair = _residual_operands(h)
+    pair = g.same_shape_add_operands(h)
     if pair is None:
         return None
     for a, b in g.commuted(h):
@@ -189,7 +174,7 @@ def residual_form(ln: fx.Node) -> Match | None:
     """LayerNorm(x + r): inference (dropouts inactive), dropout p == 0, or a dropout output that
     other ops also read (it stays, as a plain operand)."""
     h, chain = _walk_back(_layer_norm_args(ln)["input"])
-    pair = _residual_operands(h)
+    pair = g.same_shape_add_operands(h)
     if pair is None:
         return None
     x, skipped_x = _strip_identities(pair[0])

@@ -12,36 +12,38 @@ only difference is ROUND_BITS (see `_round`).
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
 from fusionpass.kernels.common import (
     _FLOAT_DTYPES,
+    _MAX_PROGRAMS_PER_SM,
     _TILE,
+    MAX_FUSED_BWD,
     _as_2d,
+    _bwd_chunk,
+    _check_param,
+    _checked_bwd_width,
+    _checked_width,
+    _chunked_bwd_grid,
+    _col_sum,
     _device_guard,
     _for_store,
     _fwd_chunk,
-    _l2_programs_per_sm,
+    _load_dy_h,
     _persistent_grid,
+    _persistent_tiles,
+    _plus_residual,
     _round,
+    _row_block,
+    _tile_rows,
     _warps_bwd,
     _warps_fwd,
 )
 from fusionpass.kernels.launch import absent, launcher
 
 __all__ = ["rms_norm_fwd", "rms_norm_bwd"]
-
-# Forward rows up to this width can be held in registers (see _fwd_chunk).
-# Backward rows whose next power of two is at most this stay in registers, one row (or a tile of
-# rows) per program; longer rows loop over chunks of _CHUNK columns. With the warps below, ptxas for
-# sm_90 gives every variant <= 102 registers per thread and no spills; a 16384 backward row would.
-MAX_FUSED_BWD = 8192
-_CHUNK = 4096
-# The backward is persistent; more programs per SM than this only grows the dweight partials.
-_MAX_PROGRAMS_PER_SM = 4
 
 
 # --------------------------------------------------------------------------------------------------
@@ -65,11 +67,7 @@ def _fwd_kernel(
     # at width 4096, one pass won at 2048 and below (kernels/common.py, _fwd_chunk; benchmarks/results/latest/rms_norm_residual.md).
     IN_DT: tl.constexpr = X.dtype.element_ty
     OUT_DT: tl.constexpr = Y.dtype.element_ty
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    roff = rows.to(tl.int64)[:, None]
+    rows, cols, row_ok, roff = _row_block(M, BLOCK_M, BLOCK_N)
 
     if ONE_PASS:
         c = cols[None, :]
@@ -105,10 +103,7 @@ def _load_h(X, R, roff, c, mask, stride_x, stride_r, HAS_RESIDUAL: tl.constexpr,
             ROUND_BITS: tl.constexpr, EVICT: tl.constexpr):
     """h = x (+ r) in fp32. The model adds in the input dtype, so the statistics see the rounded sum."""
     h = tl.load(X + roff * stride_x + c, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(R + roff * stride_r + c, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        h = _round(h + r, IN_DT, ROUND_BITS)
-    return h
+    return _plus_residual(h, R, roff, stride_r, c, mask, HAS_RESIDUAL, IN_DT, ROUND_BITS, EVICT)
 
 
 @triton.jit
@@ -146,23 +141,14 @@ def _bwd_kernel(
     # registers across them, writing it once to DWP[pid, :] (no atomics).
     IN_DT: tl.constexpr = H.dtype.element_ty
     DX_DT: tl.constexpr = DX.dtype.element_ty
-    pid = tl.program_id(0)
-    num_progs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    c = cols[None, :]
+    pid, num_progs, num_tiles, cols, col_ok, c = _persistent_tiles(M, N, BLOCK_M, BLOCK_N)
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         w = (w + weight_offset)[None, :]
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    num_tiles = tl.cdiv(M, BLOCK_M)
     for tile in range(pid, num_tiles, num_progs):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
-        roff = rows.to(tl.int64)[:, None]
-        dy = tl.load(DY + roff * stride_dy + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        h = tl.load(H + roff * stride_h + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        rows, row_ok, mask, roff = _tile_rows(tile, M, col_ok, BLOCK_M)
+        dy, h = _load_dy_h(DY, H, roff, stride_dy, stride_h, c, mask)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
         n = h * rstd
         if HAS_WEIGHT:
@@ -255,16 +241,7 @@ def _bwd_chunked_kernel(
 @triton.jit
 def _dw_reduce_kernel(P, DW, G, N, ROUND_BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
     # Column sums of the [G, N] fp32 partials, cast to the weight dtype in the same pass.
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
-    for g0 in range(0, G, BLOCK_G):
-        rows = g0 + tl.arange(0, BLOCK_G)
-        mask = (rows < G)[:, None] & col_ok[None, :]
-        acc += tl.load(P + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
-    dw = tl.sum(acc, axis=0)
-    tl.store(DW + cols, _for_store(dw, DW.dtype.element_ty, ROUND_BITS), mask=col_ok)
+    _col_sum(P, DW, G, N, tl.program_id(0), ROUND_BITS, BLOCK_G, BLOCK_N)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,20 +250,10 @@ def _dw_reduce_kernel(P, DW, G, N, ROUND_BITS: tl.constexpr, BLOCK_G: tl.constex
 
 
 def _programs_per_sm(num_warps: int) -> int:
-    # Every variant compiles to <= 102 registers per thread for sm_90 (see MAX_FUSED_*), so up to
-    # 64 warps could be resident; half of that measured faster (benchmarks/results/latest/rms_norm_residual.md).
+    # Every variant compiles to <= 102 registers per thread for sm_90 (kernels/common.py,
+    # MAX_FUSED_BWD), so up to 64 warps could be resident; half of that measured faster
+    # (benchmarks/results/latest/rms_norm_residual.md).
     return max(1, 32 // num_warps)
-
-
-def _check_weight(weight, n, device):
-    if weight is None:
-        return
-    if weight.dim() != 1 or weight.shape[0] != n:
-        raise ValueError(f"weight must have shape [{n}], got {tuple(weight.shape)}")
-    if weight.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"unsupported weight dtype {weight.dtype}")
-    if weight.device != device:
-        raise ValueError("weight is on a different device")
 
 
 def _row_tile(n: int) -> tuple[int, int]:
@@ -294,10 +261,6 @@ def _row_tile(n: int) -> tuple[int, int]:
     # branching on it would specialize the graph.
     block_n = triton.next_power_of_2(n)
     return max(1, _TILE // block_n), block_n
-
-
-def _chunk(max_fused: int) -> int:
-    return min(_CHUNK, triton.next_power_of_2(max_fused))
 
 
 def rms_norm_fwd(
@@ -320,16 +283,12 @@ def rms_norm_fwd(
     residual, None when `store_h` is False. rstd is fp32 of shape [numel // N].
     `max_chunk` (widest column chunk, a power of two) is a testing knob; results do not depend on it.
     """
-    if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"unsupported dtype {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError("x must have a non-empty last dimension")
-    n = x.shape[-1]
+    n = _checked_width(x)
     if residual is not None and (residual.shape != x.shape or residual.device != x.device
                                  or not _residual_dtype_ok(x.dtype, residual.dtype)):
         raise ValueError("residual must match x in shape and device, and in dtype unless x is float32 "
                          "and residual 16-bit (added in float32)")
-    _check_weight(weight, n, x.device)
+    _check_param(weight, n, x.device, "weight")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in _FLOAT_DTYPES:
         raise ValueError(f"unsupported out_dtype {out_dtype}")
@@ -402,14 +361,8 @@ def rms_norm_bwd(
     dweight is in weight's dtype, or None without weight or when `need_dweight` is False.
     `max_fused` and `num_programs` (persistent grid size) are tuning/testing knobs.
     """
-    if h.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"unsupported dtype {h.dtype}")
-    n = h.shape[-1]
-    if dy.shape != h.shape or dy.dtype not in _FLOAT_DTYPES or dy.device != h.device:
-        raise ValueError("dy must match h in shape and device")
-    if dh is not None and (dh.shape != h.shape or dh.dtype not in _FLOAT_DTYPES or dh.device != h.device):
-        raise ValueError("dh must match h in shape and device")
-    _check_weight(weight, n, h.device)
+    n = _checked_bwd_width(dy, dh, h)
+    _check_param(weight, n, h.device, "weight")
     h2 = _as_2d(h, n)
     m = h2.shape[0]
     if rstd.dtype != torch.float32 or rstd.numel() != m:
@@ -454,12 +407,11 @@ def _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, n
         dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else absent(rstd)
         launcher(_bwd_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
     else:
-        block_n = _chunk(max_fused)
+        block_n = _bwd_chunk(max_fused)
         consts = dict(flags, BLOCK_N=block_n)
         warps = _warps_bwd(block_n)
         row_bytes = n * (dy.element_size() + h.element_size() + 4 + (dh.element_size() if dh is not None else 0))
-        cap = _l2_programs_per_sm(h.device, row_bytes, _MAX_PROGRAMS_PER_SM) if h.device.type == "cuda" else 1
-        grid = _persistent_grid(min(cap, _programs_per_sm(warps)), h.device, m, num_programs)
+        grid = _chunked_bwd_grid(h.device, row_bytes, _programs_per_sm(warps), m, num_programs)
         dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else absent(rstd)
         launcher(_bwd_chunked_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
 

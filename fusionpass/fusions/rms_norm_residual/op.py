@@ -51,53 +51,6 @@ def _reference_backward(dy, dh, h, rstd, weight, weight_offset, weight_after_cas
     return dhf.to(h.dtype), dweight
 
 
-# CPU tensors go through opaque custom ops: Inductor cannot trace a Triton kernel that runs under
-# the interpreter; without the interpreter the torch reference keeps CPU graphs correct (so
-# `fusionpass explain` runs on a machine without a GPU).
-
-
-@torch.library.custom_op("fusionpass::rms_norm_forward_host", mutates_args=())
-def _forward_host(
-    x: Tensor,
-    residual: Tensor | None,
-    weight: Tensor | None,
-    eps: float,
-    weight_offset: float,
-    weight_after_cast: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    impl = _kernel_forward if host.interpreting() else _reference_forward
-    y, h, rstd = impl(x, residual, weight, eps, weight_offset, weight_after_cast)
-    # outputs must not alias inputs (h is x itself without a residual)
-    h = h.clone() if residual is None else h.contiguous()
-    return y.contiguous(), h, rstd.contiguous()
-
-
-@_forward_host.register_fake
-def _(x, residual, weight, eps, weight_offset, weight_after_cast):
-    return host.empty_like(x), host.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.custom_op("fusionpass::rms_norm_backward_host", mutates_args=())
-def _backward_host(
-    dy: Tensor,
-    dh: Tensor | None,
-    h: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    weight_offset: float,
-    weight_after_cast: bool,
-    need_dweight: bool,
-) -> tuple[Tensor, Tensor]:
-    impl = _kernel_backward if host.interpreting() else _reference_backward
-    dx, dweight = impl(dy, dh, h, rstd, weight, weight_offset, weight_after_cast, need_dweight)
-    return dx.contiguous(), dy.new_empty(0) if dweight is None else dweight
-
-
-@_backward_host.register_fake
-def _(dy, dh, h, rstd, weight, weight_offset, weight_after_cast, need_dweight):
-    return host.empty_like(h), weight.new_empty(weight.shape) if need_dweight else dy.new_empty(0)
-
-
 def _kernel_forward(x, residual, weight, eps, weight_offset, weight_after_cast):
     from fusionpass.fusions.rms_norm_residual.kernels import rms_norm_fwd
 
@@ -174,6 +127,45 @@ def rms_norm_backward(
         return _backward_host(*args)
     dx, dweight = _kernel_backward(*args)
     return dx, dy.new_empty(0) if dweight is None else dweight
+
+
+# CPU tensors go through opaque custom ops: Inductor cannot trace a Triton kernel that runs under
+# the interpreter; without the interpreter the torch reference keeps CPU graphs correct (so
+# `fusionpass explain` runs on a machine without a GPU).
+
+
+@torch.library.custom_op("fusionpass::rms_norm_forward_host", mutates_args=())
+def _forward_host(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    eps: float,
+    weight_offset: float,
+    weight_after_cast: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    impl = _kernel_forward if host.interpreting() else _reference_forward
+    y, h, rstd = impl(x, residual, weight, eps, weight_offset, weight_after_cast)
+    # outputs must not alias inputs (h is x itself without a residual)
+    h = h.clone() if residual is None else h.contiguous()
+    return y.contiguous(), h, rstd.contiguous()
+
+
+@_forward_host.register_fake
+def _(x, residual, weight, eps, weight_offset, weight_after_cast):
+    return host.empty_like(x), host.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("fusionpass::rms_norm_backward_host", mutates_args=(),
+                         schema=host.schema_of(rms_norm_backward))
+def _backward_host(dy, dh, h, rstd, weight, weight_offset, weight_after_cast, need_dweight):
+    impl = _kernel_backward if host.interpreting() else _reference_backward
+    dx, dweight = impl(dy, dh, h, rstd, weight, weight_offset, weight_after_cast, need_dweight)
+    return dx.contiguous(), dy.new_empty(0) if dweight is None else dweight
+
+
+@_backward_host.register_fake
+def _(dy, dh, h, rstd, weight, weight_offset, weight_after_cast, need_dweight):
+    return host.empty_like(h), weight.new_empty(weight.shape) if need_dweight else dy.new_empty(0)
 
 
 def _backward(ctx, dy, dh, h, weight):

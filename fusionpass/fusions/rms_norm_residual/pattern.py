@@ -170,15 +170,11 @@ def _residual_operands(h: fx.Node):
     like h too, or, where h is float32, 16-bit: a sublayer's output under autocast added to the fp32
     residual stream of fp32 weights (the HF Trainer's bf16=True), which the kernel adds in fp32 as
     the model's type promotion does."""
-    if not g.is_op(h, "add"):
-        return None
-    pair = g.binary_operands(h)
+    pair = g.same_shape_add_operands(h)
     if pair is None:
         return None
     ht = g.tensor(h)
     tensors = [g.tensor(t) for t in pair]
-    if any(t is None or t.shape != ht.shape for t in tensors):
-        return None
     same = [t.dtype == ht.dtype for t in tensors]
     if all(same):
         return pair

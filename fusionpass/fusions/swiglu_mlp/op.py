@@ -65,48 +65,6 @@ def _kernel_backward(dh, g, u, activation):
     return act_mul_bwd(dh, g, u, activation)
 
 
-# CPU tensors go through opaque custom ops (see fusions/rms_norm_residual/op.py): the interpreted kernel under
-# TRITON_INTERPRET=1, else the torch reference.
-
-
-@torch.library.custom_op("fusionpass::swiglu_forward_host", mutates_args=())
-def _forward_host(
-    x: Tensor,
-    w_gate: Tensor,
-    b_gate: Tensor | None,
-    w_up: Tensor,
-    b_up: Tensor | None,
-    activation: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    _check(activation)
-    impl = _kernel_forward if host.interpreting() else _reference_forward
-    h, g, u = impl(x, w_gate, b_gate, w_up, b_up, activation)
-    return h.contiguous(), g.contiguous(), u.contiguous()
-
-
-def _fake_forward(x, w_gate, b_gate, w_up, b_up, activation):
-    shape = (*x.shape[:-1], w_gate.shape[0])
-    return x.new_empty(shape), x.new_empty(shape), x.new_empty(shape)
-
-
-_forward_host.register_fake(_fake_forward)
-
-
-@torch.library.custom_op("fusionpass::swiglu_backward_host", mutates_args=())
-def _backward_host(dh: Tensor, g: Tensor, u: Tensor, activation: str) -> tuple[Tensor, Tensor]:
-    _check(activation)
-    impl = _kernel_backward if host.interpreting() else _reference_backward
-    dg, du = impl(dh, g, u, activation)
-    return dg.contiguous(), du.contiguous()
-
-
-@_backward_host.register_fake
-def _(dh, g, u, activation):
-    return torch.empty_like(g, memory_format=torch.contiguous_format), torch.empty_like(
-        u, memory_format=torch.contiguous_format
-    )
-
-
 @torch.library.triton_op("fusionpass::swiglu", mutates_args=())
 def swiglu(
     x: Tensor,
@@ -128,6 +86,42 @@ def swiglu_backward(dh: Tensor, g: Tensor, u: Tensor, activation: str) -> tuple[
         return _backward_host(dh, g, u, activation)
     _check(activation)
     return _kernel_backward(dh, g, u, activation)
+
+
+# CPU tensors go through opaque custom ops (see fusions/rms_norm_residual/op.py): the interpreted kernel under
+# TRITON_INTERPRET=1, else the torch reference.
+
+
+@torch.library.custom_op("fusionpass::swiglu_forward_host", mutates_args=(), schema=host.schema_of(swiglu))
+def _forward_host(x, w_gate, b_gate, w_up, b_up, activation):
+    _check(activation)
+    impl = _kernel_forward if host.interpreting() else _reference_forward
+    h, g, u = impl(x, w_gate, b_gate, w_up, b_up, activation)
+    return h.contiguous(), g.contiguous(), u.contiguous()
+
+
+def _fake_forward(x, w_gate, b_gate, w_up, b_up, activation):
+    shape = (*x.shape[:-1], w_gate.shape[0])
+    return x.new_empty(shape), x.new_empty(shape), x.new_empty(shape)
+
+
+_forward_host.register_fake(_fake_forward)
+
+
+@torch.library.custom_op("fusionpass::swiglu_backward_host", mutates_args=(),
+                         schema=host.schema_of(swiglu_backward))
+def _backward_host(dh, g, u, activation):
+    _check(activation)
+    impl = _kernel_backward if host.interpreting() else _reference_backward
+    dg, du = impl(dh, g, u, activation)
+    return dg.contiguous(), du.contiguous()
+
+
+@_backward_host.register_fake
+def _(dh, g, u, activation):
+    return torch.empty_like(g, memory_format=torch.contiguous_format), torch.empty_like(
+        u, memory_format=torch.contiguous_format
+    )
 
 
 def _setup_context(ctx, inputs, output):
