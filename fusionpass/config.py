@@ -92,16 +92,21 @@ class Config:
             raise ValueError(f"unknown fusion(s) {sorted(bad)}; known: {', '.join(names)}")
         object.__setattr__(self, "fusions", fusions)
         object.__setattr__(self, "cpu", bool(cpu))
-        object.__setattr__(self, "_values", tuple((k, values.get(k, s.default)) for k, s in known.items()))
+        object.__setattr__(self, "_values", MappingProxyType({k: values.get(k, s.default) for k, s in known.items()}))
 
     def __getattr__(self, name):
-        for key, value in object.__getattribute__(self, "_values"):
-            if key == name:
-                return value
-        raise AttributeError(f"Config has no setting {name!r}")
+        try:
+            return object.__getattribute__(self, "_values")[name]
+        except KeyError:
+            raise AttributeError(f"Config has no setting {name!r}") from None
 
     def __setattr__(self, name, value):
         raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def option(self, options: type, name: str):
+        """The value of field `name` of the options dataclass `options` (a fusion's) in this config:
+        what a cost rule's `cost.Field` bound reads."""
+        return getattr(self, registry.setting_of(options, name))
 
     def options(self, fusion: str):
         """The options dataclass of `fusion` with this config's values."""
@@ -136,7 +141,7 @@ class Config:
 
     def __repr__(self):
         known = settings()
-        changed = {k: v for k, v in self._values if k in known and v != known[k].default}
+        changed = {k: v for k, v in self._values.items() if k in known and v != known[k].default}
         return f"Config(fusions={sorted(self.fusions)}, cpu={self.cpu}" + "".join(
             f", {k}={v!r}" for k, v in changed.items()) + ")"
 

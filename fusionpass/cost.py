@@ -1,8 +1,9 @@
 """Cost rules as data: where a fusion is selected, per mode, as bounds its guards evaluate.
 
-A rule's bound is a number or the name of a `Config` setting that holds it (so the bounds stay
-user-settable: `rms_norm_min_width`, FUSIONPASS_RMS_NORM_MIN_WIDTH); the rule reads it from the
-config it is checked against (`registry.default_settings()` where it is described). A fusion lists its
+A rule's bound is a number or a field of the fusion's options dataclass (`fields(Options).min_width`),
+which is a `Config` setting (so the bounds stay user-settable: `rms_norm_min_width`,
+FUSIONPASS_RMS_NORM_MIN_WIDTH); the rule reads it from the config it is checked against, or takes
+the field's default where no config is given (the docs). A fusion lists its
 rules in `Fusion.cost`: `fusionpass list`, the README and docs/fusions.md state them from this
 data, and its guards call `check`, whose reason states the rule ("row width 1024 outside
 2048..8192 in training"). Why a rule exists, and the measurements behind it, are in the fusion's
@@ -11,11 +12,31 @@ data, and its guards call `check`, whose reason states the rule ("row width 1024
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Union
 
 MODES = ("training", "inference")
 
-Bound = Union[int, str, None]  # a number, a Config setting's name, or None: unbounded
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """A field of a fusion's options dataclass, held by a cost rule: the config's value of that
+    setting where the rule is checked (`Config.option`), its default where it is described."""
+
+    options: type
+    name: str
+    default: object
+
+
+def fields(options: type) -> SimpleNamespace:
+    """Each field of an options dataclass as a `Field`, by name: a rule names a field that does not
+    exist with an AttributeError where it is declared, not a wrong number where it is checked."""
+    return SimpleNamespace(**{f.name: Field(options, f.name, f.default) for f in dataclasses.fields(options)})
+
+
+Bound = Union[int, Field, None]  # a number, an options field, or None: unbounded
 
 
 def mode(training: bool) -> str:
@@ -23,12 +44,9 @@ def mode(training: bool) -> str:
 
 
 def _value(bound: Bound, cfg) -> int | None:
-    """A bound's number: itself, or the value of the setting it names in `cfg` (a Config, or any
-    object with the settings as attributes: `registry.Fusion.selection` passes the defaults)."""
-    if isinstance(bound, str):
-        if cfg is None:
-            raise ValueError(f"the bound {bound!r} is a setting: checking or describing it needs the config")
-        return getattr(cfg, bound)
+    """A bound's number: itself, or its field's value in `cfg` (a Config; None: the default)."""
+    if isinstance(bound, Field):
+        return bound.default if cfg is None else cfg.option(bound.options, bound.name)
     return bound
 
 
@@ -40,9 +58,10 @@ def _span(lo, hi, show=str) -> str:
     return f"{show(lo)}..{show(hi)}"
 
 
-def _names(bounds) -> str:
-    names = [b for b in bounds if isinstance(b, str)]
-    return f" ({', '.join(names)})" if names else ""
+def _names(bounds, names: Mapping[str, str]) -> str:
+    """The settings holding `bounds`, by their Config names (`names`: options field -> setting)."""
+    held = [names[b.name] for b in bounds if isinstance(b, Field)]
+    return f" ({', '.join(held)})" if held else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +107,9 @@ class Range:
             return f"{self.what} {self._show(value)} > {self._show(hi)}{where}"
         return None
 
-    def describe(self, cfg=None) -> str:
-        """The rule in words, with the defaults (or `cfg`'s values) and the settings holding them."""
+    def describe(self, names: Mapping[str, str], cfg=None) -> str:
+        """The rule in words, with the defaults (or `cfg`'s values) and the settings holding them
+        (`names`: options field -> Config setting)."""
         parts = []
         for m in MODES if self._modal() else MODES[:1]:
             declared = getattr(self, m)
@@ -97,7 +117,7 @@ class Range:
                 parts.append(f"not in {m}")
             elif declared != (None, None):
                 where = f" in {m}" if self._modal() else ""
-                parts.append(f"{_span(*self.bounds(m, cfg), self._show)}{_names(declared)}{where}")
+                parts.append(f"{_span(*self.bounds(m, cfg), self._show)}{_names(declared, names)}{where}")
         return f"{self.what} {', '.join(parts)}" if parts else ""
 
 
@@ -118,9 +138,9 @@ class Excluded:
             return f"{self.what} {value} in {lo}..{hi} in {mode} ({self.why})"
         return None
 
-    def describe(self, cfg=None) -> str:
+    def describe(self, names: Mapping[str, str], cfg=None) -> str:
         lo, hi = _value(self.lo, cfg), _value(self.hi, cfg)
-        return f"{self.what} not {lo}..{hi}{_names((self.lo, self.hi))} in {' or '.join(self.modes)} ({self.why})"
+        return f"{self.what} not {lo}..{hi}{_names((self.lo, self.hi), names)} in {' or '.join(self.modes)} ({self.why})"
 
 
 def autotuning() -> bool:
@@ -146,7 +166,7 @@ class NotAutotuned:
             return f"Inductor autotunes (max-autotune) in {mode} ({self.why})"
         return None
 
-    def describe(self, cfg=None) -> str:
+    def describe(self, names: Mapping[str, str], cfg=None) -> str:
         return f"not while Inductor autotunes (max-autotune) in {' or '.join(self.modes)} ({self.why})"
 
 
@@ -161,17 +181,17 @@ NOT_AUTOTUNED_TRAINING = NotAutotuned(
 class Switch:
     """A boolean setting that, when on, selects every match whatever the other rules say."""
 
-    setting: str
+    setting: Field
     what: str = "every match"
 
     def on(self, cfg) -> bool:
         return bool(_value(self.setting, cfg))
 
-    def describe(self, cfg=None) -> str:
-        return f"{self.setting}=True: {self.what}"
+    def describe(self, names: Mapping[str, str], cfg=None) -> str:
+        return f"{names[self.setting.name]}=True: {self.what}"
 
 
-def describe(rules, cfg) -> str:
-    """The rules of one fusion in words (`Fusion.cost`), joined, with `cfg`'s values of the settings
-    they name."""
-    return "; ".join(d for r in rules if (d := r.describe(cfg)))
+def describe(rules, names: Mapping[str, str], cfg=None) -> str:
+    """The rules of one fusion in words (`Fusion.cost`), joined: with the defaults (or `cfg`'s
+    values) of the options fields they hold and those fields' Config names (`names`)."""
+    return "; ".join(d for r in rules if (d := r.describe(names, cfg)))

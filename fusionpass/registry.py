@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from types import MappingProxyType, SimpleNamespace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
@@ -128,7 +128,7 @@ class Fusion:
     def selection(self) -> str:
         """When it is selected, in words: its cost rules (from their data, with the defaults and
         the settings holding them), then `selected_when`."""
-        return "; ".join(t for t in (cost_rules.describe(self.cost, default_settings()), self.selected_when) if t)
+        return "; ".join(t for t in (cost_rules.describe(self.cost, {f.name: key for key, f in self.settings().items()}), self.selected_when) if t)
 
 
 def option(default, doc: str):
@@ -207,11 +207,15 @@ def registered() -> Mapping[str, Fusion]:
     return _DERIVED["registered"]
 
 
-def default_settings() -> SimpleNamespace:
-    """Every registered fusion's settings at their defaults, as attributes (what the cost rules that
-    name a setting read where no config is given: the docs and `fusionpass list`)."""
-    return SimpleNamespace(**{name: f.default for fusion in registered().values()
-                              for name, f in fusion.settings().items()})
+def setting_of(options: type, field: str) -> str:
+    """The Config setting of field `field` of the options dataclass `options` (a registered fusion's)."""
+    if "settings_of" not in _DERIVED:
+        _DERIVED["settings_of"] = {(f.options, spec.name): key for f in registered().values()
+                                   for key, spec in f.settings().items()}
+    try:
+        return _DERIVED["settings_of"][options, field]
+    except KeyError:
+        raise ValueError(f"{options.__qualname__}.{field} is no registered fusion's setting") from None
 
 
 def fusion_names() -> tuple[str, ...]:

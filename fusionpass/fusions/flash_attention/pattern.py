@@ -55,7 +55,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusionpass import registry
-from fusionpass.cost import Range, Switch, mode
+from fusionpass.cost import Range, Switch, fields, mode
 from fusionpass.patterns import attention_kernel as ak
 from fusionpass.patterns import dropout as dp
 from fusionpass.patterns import eager_attention as eager
@@ -462,11 +462,53 @@ def square_by_default(m: Match, cfg) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """flash_attention's routes (settings named attention_*, as before the split)."""
+
+    # Off by default: against SDPA's own kernels it won on some models and lost on others
+    # (benchmarks/results/latest/flash_attention.md). Eager-math and ALiBi attention go to the
+    # kernel regardless. Where on, it is preferred over sdpa_runtime_check's torch.cond.
+    kernel: bool = option(False, "every SDPA route to the kernel: also causal, windowed or all-true masks AND "
+                                 "run-time key padding over a cache -> fusionpass::flash_attention")
+    # On by default: plain compile runs SDPA with the materialized mask there
+    # (benchmarks/results/latest/flash_attention.md).
+    causal_padding: bool = option(True, "SDPA with a causal mask AND run-time key padding over square "
+                                        "scores (an HF collator's attention_mask) -> fusionpass::flash_attention")
+    # On by default: plain compile runs SDPA with the materialized window mask over every key;
+    # the kernel skips the blocks outside the window (benchmarks/results/latest/attention_windows.md).
+    sliding_window: bool = option(True, "SDPA with a proven sliding-window mask or bidirectional band (with or "
+                                        "without run-time key padding) over square scores -> "
+                                        "fusionpass::flash_attention")
+    # On by default: plain compile runs SDPA with the materialized block-diagonal mask over every
+    # key; the kernel skips the key blocks before each query block's sequence.
+    packed: bool = option(True, "SDPA with a causal mask AND the sequence segments of packed sequences (position "
+                                "ids restarting at each sequence, no attention_mask) -> fusionpass::flash_attention")
+    # On by default: plain compile runs SDPA with the materialized [B, 1, L, L] mask over every key;
+    # the kernel skips the key blocks past each row's last kept key, so a padded encoder batch
+    # costs about what its lengths cost; where an all-ones batch measured slower, the cost rules
+    # (padding_cost) keep it out (benchmarks/results/kernel/padded_attention.md).
+    padding: bool = option(True, "SDPA with an all-true mask AND run-time key padding over square scores (an "
+                                 "encoder's padding collator: BERT, RoBERTa, XLM-R) -> fusionpass::flash_attention")
+    # Off by default: v padded to q's head dim costs the kernel more than plain compile's masked
+    # SDPA spends (benchmarks/results/latest/attention_head_dims.md).
+    mla: bool = option(False, "q/k and v of different head dims (MLA: 192 and 128) on the routes above, v "
+                              "padded with zero columns to q's head dim for the kernel")
+    # Off until measured against our kernel and cuDNN's causal one (benchmarks/probes/
+    # collator_attention_routes.py): needs the `cudnn` extra (nvidia-cudnn-frontend).
+    cudnn_padding: bool = option(False, "causal or all-true masks with run-time key padding over square scores "
+                                        "-> fusionpass::padded_attention: cuDNN's padding mask for rows whose "
+                                        "keys are a prefix, our kernel for the others")
+
+
+FIELDS = fields(Options)
+
+
 # The encoder padding route's cost rules (none_kernel_padded at the default settings): it is
 # selected where it measured faster than plain compile's masked SDPA on an all-ones batch and on a
 # padded one alike, forward and forward + backward; elsewhere the all-ones batch lost
 # (benchmarks/results/kernel/padded_attention.md). A compile cannot tell which batches will come.
-EVERY_ROUTE = Switch("attention_kernel", "every SDPA route to the kernel")
+EVERY_ROUTE = Switch(FIELDS.kernel, "every SDPA route to the kernel")
 PADDING_HEAD_DIM = Range.always("head dim of an all-true mask with key padding", 64, 64)
 PADDING_DROPOUT = Range.always("attention dropout (%, rounded up) of an all-true mask with key padding", 0, 0)
 # The collator's causal route (causal_kernel_padded at the default settings): at head dim 256 our
@@ -519,45 +561,6 @@ def _sliding_window_opt_in(node: fx.Node) -> Match | None:
 
 
 _UNMATCHED = "softmax(scores) @ values in a form this fusion has no rewrite for"
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """flash_attention's routes (settings named attention_*, as before the split)."""
-
-    # Off by default: against SDPA's own kernels it won on some models and lost on others
-    # (benchmarks/results/latest/flash_attention.md). Eager-math and ALiBi attention go to the
-    # kernel regardless. Where on, it is preferred over sdpa_runtime_check's torch.cond.
-    kernel: bool = option(False, "every SDPA route to the kernel: also causal, windowed or all-true masks AND "
-                                 "run-time key padding over a cache -> fusionpass::flash_attention")
-    # On by default: plain compile runs SDPA with the materialized mask there
-    # (benchmarks/results/latest/flash_attention.md).
-    causal_padding: bool = option(True, "SDPA with a causal mask AND run-time key padding over square "
-                                        "scores (an HF collator's attention_mask) -> fusionpass::flash_attention")
-    # On by default: plain compile runs SDPA with the materialized window mask over every key;
-    # the kernel skips the blocks outside the window (benchmarks/results/latest/attention_windows.md).
-    sliding_window: bool = option(True, "SDPA with a proven sliding-window mask or bidirectional band (with or "
-                                        "without run-time key padding) over square scores -> "
-                                        "fusionpass::flash_attention")
-    # On by default: plain compile runs SDPA with the materialized block-diagonal mask over every
-    # key; the kernel skips the key blocks before each query block's sequence.
-    packed: bool = option(True, "SDPA with a causal mask AND the sequence segments of packed sequences (position "
-                                "ids restarting at each sequence, no attention_mask) -> fusionpass::flash_attention")
-    # On by default: plain compile runs SDPA with the materialized [B, 1, L, L] mask over every key;
-    # the kernel skips the key blocks past each row's last kept key, so a padded encoder batch
-    # costs about what its lengths cost; where an all-ones batch measured slower, the cost rules
-    # (padding_cost) keep it out (benchmarks/results/kernel/padded_attention.md).
-    padding: bool = option(True, "SDPA with an all-true mask AND run-time key padding over square scores (an "
-                                 "encoder's padding collator: BERT, RoBERTa, XLM-R) -> fusionpass::flash_attention")
-    # Off by default: v padded to q's head dim costs the kernel more than plain compile's masked
-    # SDPA spends (benchmarks/results/latest/attention_head_dims.md).
-    mla: bool = option(False, "q/k and v of different head dims (MLA: 192 and 128) on the routes above, v "
-                              "padded with zero columns to q's head dim for the kernel")
-    # Off until measured against our kernel and cuDNN's causal one (benchmarks/probes/
-    # collator_attention_routes.py): needs the `cudnn` extra (nvidia-cudnn-frontend).
-    cudnn_padding: bool = option(False, "causal or all-true masks with run-time key padding over square scores "
-                                        "-> fusionpass::padded_attention: cuDNN's padding mask for rows whose "
-                                        "keys are a prefix, our kernel for the others")
 
 
 FLASH_ATTENTION = registry.register(

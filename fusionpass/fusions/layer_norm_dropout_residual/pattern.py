@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from fusionpass import registry
-from fusionpass.cost import Range, mode
+from fusionpass.cost import Range, fields, mode
 from fusionpass.patterns import dropout as dp
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
@@ -260,12 +260,25 @@ def normalizes_last_dim(m: Match, cfg) -> str | None:
     return f"normalized_shape {shape!r} is not the static last dimension"
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The bounds of layer_norm_dropout_residual's cost rule (`WIDTH`)."""
+
+    min_width: int = option(768, "narrowest row fused in training")
+    max_width: int = option(8192, "widest row fused in training")
+    inference_min_width: int = option(2048, "narrowest row fused in inference")
+    inference_max_width: int = option(4096, "widest row fused in inference")
+
+
+FIELDS = fields(Options)
+
+
 # The cost rule: training (a dropout or a gradient) is fused over a wider band of row widths than
 # inference (why: benchmarks/results/latest/layer_norm_dropout_residual.md).
 WIDTH = Range(
     "row width",
-    training=("layer_norm_min_width", "layer_norm_max_width"),
-    inference=("layer_norm_inference_min_width", "layer_norm_inference_max_width"),
+    training=(FIELDS.min_width, FIELDS.max_width),
+    inference=(FIELDS.inference_min_width, FIELDS.inference_max_width),
 )
 
 
@@ -370,16 +383,6 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
             y = _replay(graph, view, y, ln)
     ln.replace_all_uses_with(y)
     g.erase_unused(graph, m.nodes)
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """The bounds of layer_norm_dropout_residual's cost rule (`WIDTH`)."""
-
-    min_width: int = option(768, "narrowest row fused in training")
-    max_width: int = option(8192, "widest row fused in training")
-    inference_min_width: int = option(2048, "narrowest row fused in inference")
-    inference_max_width: int = option(4096, "widest row fused in inference")
 
 
 LAYER_NORM_DROPOUT_RESIDUAL = registry.register(

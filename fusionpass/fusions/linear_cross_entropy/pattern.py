@@ -40,7 +40,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusionpass import registry
-from fusionpass.cost import Range
+from fusionpass.cost import Range, fields
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
 
@@ -432,9 +432,19 @@ def shapes_supported(m: Match, cfg) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The bound of linear_cross_entropy's cost rule (`VOCAB`)."""
+
+    min_vocab: int = option(100_000, "smallest vocabulary fused")
+
+
+FIELDS = fields(Options)
+
+
 # The cost rule: LLM-sized vocabularies only; below them Inductor's own loss is faster (why:
 # benchmarks/results/latest/linear_cross_entropy.md).
-VOCAB = Range.always("classes", "linear_cross_entropy_min_vocab", None)
+VOCAB = Range.always("classes", FIELDS.min_vocab, None)
 
 
 def vocab_large_enough(m: Match, cfg) -> str | None:
@@ -520,13 +530,6 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
     if b["return_logits"]:
         chain.logits.replace_all_uses_with(logits, delete_user_cb=lambda u: _returned(u, chain.logits))
     g.erase_unused(graph, [ce, *reversed(chain.nodes), *b["label_nodes"]])
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """The bound of linear_cross_entropy's cost rule (`VOCAB`)."""
-
-    min_vocab: int = option(100_000, "smallest vocabulary fused")
 
 
 LINEAR_CROSS_ENTROPY = registry.register(

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from fusionpass import registry
-from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Excluded, Range, mode
+from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Excluded, Range, fields, mode
 from fusionpass.kernels.common import TWO_PASS_FWD
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
@@ -357,14 +357,26 @@ def weight_is_per_channel(m: Match, cfg) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The bounds of rms_norm_residual's cost rule (`WIDTH`)."""
+
+    min_width: int = option(2048, "narrowest row fused")
+    max_width: int = option(4096, "widest row fused in inference")
+    train_max_width: int = option(8192, "widest row fused where the norm is differentiated")
+
+
+FIELDS = fields(Options)
+
+
 # The cost rules (why: benchmarks/results/latest/rms_norm_residual.md). Narrow rows (per-head
 # QK-norm) stay with Inductor's fused code in both modes; training (the norm is differentiated)
 # takes wider rows than inference, where rows the forward kernel runs in two chunks with a partial
 # second one (kernels/common.py, TWO_PASS_FWD) stay with Inductor too.
 WIDTH = Range(
     "row width",
-    training=("rms_norm_min_width", "rms_norm_train_max_width"),
-    inference=("rms_norm_min_width", "rms_norm_max_width"),
+    training=(FIELDS.min_width, FIELDS.train_max_width),
+    inference=(FIELDS.min_width, FIELDS.max_width),
 )
 PARTIAL_CHUNK = Excluded(
     "row width", TWO_PASS_FWD[0] + 1, TWO_PASS_FWD[1] - 1,
@@ -419,15 +431,6 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
         new_y, _ = g.insert_getitems(graph, fused, 2)
     y.replace_all_uses_with(new_y)
     g.erase_unused(graph, m.nodes)
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """The bounds of rms_norm_residual's cost rule (`WIDTH`)."""
-
-    min_width: int = option(2048, "narrowest row fused")
-    max_width: int = option(4096, "widest row fused in inference")
-    train_max_width: int = option(8192, "widest row fused where the norm is differentiated")
 
 
 RMS_NORM_RESIDUAL = registry.register(

@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from fusionpass import registry
-from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Range, Switch
+from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Range, Switch, fields
 from fusionpass.patterns import autocast
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, Variant, option
@@ -455,14 +455,28 @@ def _positions(m: Match) -> int | None:
     return None if None in sizes else max(sizes)
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """rope's cost rule: the bounds of POSITIONS, SIZE and INTERLEAVED_SIZE, and the switch
+    ANY_SIZE."""
+
+    kernel: bool = option(False, "route every match to fusionpass::rope, whatever its size")
+    max_bytes: int = option(96 * 2**20, "largest q + k fused (bytes)")
+    interleaved_max_bytes: int = option(48 * 2**20, "largest q + k fused in the full interleaved form (bytes)")
+    min_tokens: int = option(64, "fewest positions rotated")
+
+
+FIELDS = fields(Options)
+
+
 # The cost rules (why: benchmarks/results/latest/rope.md): decode-sized rotations stay with
 # Inductor, which writes the rotated k into a static KV cache in the same kernel; large ones stay
 # with Inductor too, sooner for the interleaved form with every channel rotated (partial
 # interleaved rotary, GPT-J's own form, keeps rope_max_bytes).
-ANY_SIZE = Switch("rope_kernel")
-POSITIONS = Range.always("positions", "rope_min_tokens", None)
-SIZE = Range.always("q and k", None, "rope_max_bytes", unit="MiB", scale=2**20)
-INTERLEAVED_SIZE = Range.always("q and k (interleaved, every channel rotated)", None, "rope_interleaved_max_bytes",
+ANY_SIZE = Switch(FIELDS.kernel)
+POSITIONS = Range.always("positions", FIELDS.min_tokens, None)
+SIZE = Range.always("q and k", None, FIELDS.max_bytes, unit="MiB", scale=2**20)
+INTERLEAVED_SIZE = Range.always("q and k (interleaved, every channel rotated)", None, FIELDS.interleaved_max_bytes,
                                 unit="MiB", scale=2**20)
 
 
@@ -512,17 +526,6 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
         autocast.drop_noop_casts(new)  # the rounding the readers did (guard dtype)
     g.erase_unused(graph, m.nodes)
     g.erase_unused(graph, b["dead"])
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """rope's cost rule: the bounds of POSITIONS, SIZE and INTERLEAVED_SIZE, and the switch
-    ANY_SIZE."""
-
-    kernel: bool = option(False, "route every match to fusionpass::rope, whatever its size")
-    max_bytes: int = option(96 * 2**20, "largest q + k fused (bytes)")
-    interleaved_max_bytes: int = option(48 * 2**20, "largest q + k fused in the full interleaved form (bytes)")
-    min_tokens: int = option(64, "fewest positions rotated")
 
 
 ROPE = registry.register(

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from fusionpass import registry
-from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Range, Switch, mode
+from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Range, Switch, fields, mode
 from fusionpass.fusions.swiglu_mlp.kernels import DECODE_MAX_M
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, Variant, option
@@ -41,10 +41,24 @@ _SILU = (F.silu,)
 _GELU = (F.gelu, torch._C._nn.gelu)
 SUPPORTED = ("silu", "gelu_tanh")
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """swiglu_mlp: by default decode-sized inference goes to fusionpass::swiglu (ROWS) and training
+    to fusionpass::swiglu_down (RECOMPUTE)."""
+
+    kernel: bool = option(False, "route every match (prefill, training) to fusionpass::swiglu")
+    recompute_product: bool = option(
+        True, "training: fuse the down projection too and recompute act(g) * u in the backward "
+        "(one ffn-wide tensor per token fewer kept for the backward)")
+
+
+FIELDS = fields(Options)
+
+
 # The cost rules (module docstring): decode-sized inference, and training with the down projection
-ANY_SIZE = Switch("swiglu_mlp_kernel")
+ANY_SIZE = Switch(FIELDS.kernel)
 # training with the down projection in the op (module docstring)
-RECOMPUTE = Switch("swiglu_mlp_recompute_product", "training matches, with the down projection")
+RECOMPUTE = Switch(FIELDS.recompute_product, "training matches, with the down projection")
 ROWS = Range("rows", training=None, inference=(None, DECODE_MAX_M))
 ANYWAY = "swiglu_mlp_kernel=True / FUSIONPASS_SWIGLU_MLP_KERNEL=1 selects it anyway"
 
@@ -328,17 +342,6 @@ VARIANTS = (
     Variant("other_activation", _search("", None), reports_only=True),
     Variant("other_activation_gate_up", _search("_gate_up", None), reports_only=True),
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """swiglu_mlp: by default decode-sized inference goes to fusionpass::swiglu (ROWS) and training
-    to fusionpass::swiglu_down (RECOMPUTE)."""
-
-    kernel: bool = option(False, "route every match (prefill, training) to fusionpass::swiglu")
-    recompute_product: bool = option(
-        True, "training: fuse the down projection too and recompute act(g) * u in the backward "
-        "(one ffn-wide tensor per token fewer kept for the backward)")
 
 
 SWIGLU_MLP = registry.register(
