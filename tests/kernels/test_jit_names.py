@@ -2,11 +2,19 @@
 kernel's source, emitting each jit function it calls under that function's own name: a kernel
 calling a helper bound under another name (`from m import rng_key as _rng_key`) compiles under
 the interpreter but fails on CUDA with NameError('_rng_key is not defined'), as it did on the H200.
-So every jit function a kernel module holds must be bound under its own name."""
+So every jit function a kernel module holds must be bound under its own name: the shared kernels
+(fusionpass.kernels and its packages) and each fusion folder's kernels."""
 import importlib
 import pkgutil
 
 import fusionpass.kernels as package
+from fusionpass import fusions
+
+
+def _kernel_modules():
+    for info in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}."):
+        yield importlib.import_module(info.name)
+    yield from fusions.modules("kernels")
 
 
 def _jit_functions(module):
@@ -18,8 +26,7 @@ def _jit_functions(module):
 
 def test_jit_functions_are_bound_under_their_own_names():
     wrong, seen = [], 0
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
+    for module in _kernel_modules():
         for name, fn in _jit_functions(module):
             seen += 1
             if name != fn.__name__:
