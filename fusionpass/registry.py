@@ -12,8 +12,8 @@ A fusion is data:
     which `fusionpass.config` derives Config's settings and their environment overrides;
   - `cost`: its cost rules as data (`fusionpass.cost`), which its guards evaluate and from which
     the text saying where it is selected is generated.
-Every module of `fusionpass.patterns` is imported on first use, and each declares its fusion with
-`register(Fusion(...))` (docs/architecture.md); all reuse this loop, the near-miss reasons and
+Every fusion folder's `pattern.py` (fusionpass.fusions) is imported on first use, and each declares
+its fusion with `register(Fusion(...))` (docs/architecture.md); all reuse this loop, the near-miss reasons and
 the per-fusion/per-variant counts without copying them.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from fusionpass import cost as cost_rules
 from fusionpass import fusions
+from fusionpass.ops.autocast import make_neutral as autocast_neutral_ops
 from fusionpass.patterns.graph import tensor, tensor_subclass, where
 
 if TYPE_CHECKING:
@@ -264,6 +265,7 @@ def _load() -> None:
         return
     fusions.modules("pattern")
     fusions.modules("op")  # the ops the rewrites call
+    autocast_neutral_ops()  # those of a folder found after fusionpass.ops was imported too
     _LOADED[:] = [path]
 
 

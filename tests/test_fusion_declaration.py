@@ -70,6 +70,8 @@ def test_the_toy_fusion_brings_its_op_kernel_conformance_and_benchmark_cases(toy
     assert f"fusionpass.fusions.{TOY}.op" in {m.__name__ for m in fusions.modules("op")}
     x = torch.randn(7)
     torch.testing.assert_close(torch.ops.fusionpass.toy_double(x), x + x)
+    # and autocast-neutral like every fusionpass op, though its folder came after fusionpass.ops
+    assert torch.ops.fusionpass.toy_double.default.has_kernel_for_dispatch_key(torch._C.DispatchKey.AutocastCPU)
     # `fusionpass check` finds its case and passes it on the CPU
     case = next(c for c in conformance.all_cases() if c.fusion == TOY)
     result = conformance.run_case(case, "cpu")

@@ -70,7 +70,9 @@ import triton
 import triton.language as tl
 
 from fusionpass.kernels.attention import check_qkv
-from fusionpass.kernels.attention.blocks import _load_kv, _mm_operand
+# _LOG2E from the attention blocks, not a copy: Inductor emits one value per global name for a
+# kernel and the helpers it calls, so two definitions could disagree on the GPU only
+from fusionpass.kernels.attention.blocks import _LOG2E, _load_kv, _mm_operand
 from fusionpass.kernels.attention.forward import _softmax_step
 from fusionpass.kernels.common import (
     _cuda_props,
@@ -85,7 +87,6 @@ __all__ = ["HEAD_DIMS", "MAX_Q_LEN", "decode_attention", "default_num_splits"]
 # in registers and masked on load and store
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 MAX_Q_LEN = 16
-_LOG2E = tl.constexpr(1.4426950408889634)
 
 # Launch defaults by the larger padded head dim: (BLOCK_N keys per step, num_warps, num_stages) of
 # the split kernel.
