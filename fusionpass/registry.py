@@ -13,8 +13,8 @@ A fusion is data:
   - `cost`: its cost rules as data (`fusionpass.cost`), which its guards evaluate and from which
     the text saying where it is selected is generated.
 Every fusion folder's `pattern.py` (fusionpass.fusions) is imported on first use, and each declares
-its fusion with `register(Fusion(...))` (docs/architecture.md); all reuse this loop, the near-miss reasons and
-the per-fusion/per-variant counts without copying them.
+its fusion with `register(Fusion(...))` (docs/architecture.md); all reuse this loop, the near-miss
+reasons and the per-fusion/per-variant counts without copying them.
 """
 from __future__ import annotations
 
@@ -129,7 +129,8 @@ class Fusion:
     def selection(self) -> str:
         """When it is selected, in words: its cost rules (from their data, with the defaults and
         the settings holding them), then `selected_when`."""
-        return "; ".join(t for t in (cost_rules.describe(self.cost, {f.name: key for key, f in self.settings().items()}), self.selected_when) if t)
+        names = {f.name: key for key, f in self.settings().items()}  # options field -> Config setting
+        return "; ".join(t for t in (cost_rules.describe(self.cost, names), self.selected_when) if t)
 
 
 def option(default, doc: str):
@@ -279,7 +280,8 @@ def _not_autotuned(fusion: Fusion, match: Match, config: Config) -> str | None:
     rules = [r for r in fusion.cost if isinstance(r, cost_rules.NotAutotuned)]
     if not rules:
         return None
-    training = cost_rules.mode(any(getattr(tensor(n), "requires_grad", False) for n in (match.anchor, *match.nodes)))
+    differentiated = any(getattr(tensor(n), "requires_grad", False) for n in (match.anchor, *match.nodes))
+    training = cost_rules.mode(differentiated)
     why = next((w for r in rules if (w := r.check(training, config)) is not None), None)
     return None if why is None else f"cost: {why}"
 
