@@ -2,8 +2,9 @@
 kernel, every jit function it calls and every global they read, each emitted once under its name
 (torch._inductor.codegen.wrapper's transitive closure). The interpreter runs the Python functions
 instead and never builds that source, so a name the closure misses (a NameError on the GPU only, as
-on the H200) or a global defined twice with different values (one silently wins on the GPU) shows
-up only there. This builds the closure of every kernel of ours, as Inductor would, and checks both."""
+on the H200: a helper bound under another name, `from m import rng_key as _rng_key`) or a global
+defined twice with different values (one silently wins on the GPU) shows up only there. These
+tests read every kernel module of ours, the shared packages' and each fusion folder's."""
 import ast
 import builtins
 import importlib
@@ -26,11 +27,26 @@ def _kernel_modules():
     yield from fusions.modules("kernels")
 
 
-def _own_jit_functions(module):
+def _is_jit(value) -> bool:
+    return callable(getattr(value, "fn", None)) and hasattr(value, "arg_names")
+
+
+def _jit_functions(module):
+    """(name, jit function) of every JITFunction or InterpretedFunction the module holds."""
     for name, value in vars(module).items():
-        fn = getattr(value, "fn", None)
-        if callable(fn) and hasattr(value, "arg_names") and fn.__module__ == module.__name__:
+        if _is_jit(value):
             yield name, value
+
+
+def test_jit_functions_are_bound_under_their_own_names():
+    wrong, seen = [], 0
+    for module in _kernel_modules():
+        for name, kernel in _jit_functions(module):
+            seen += 1
+            if name != kernel.fn.__name__:
+                wrong.append(f"{module.__name__}.{name} is {kernel.fn.__module__}.{kernel.fn.__name__}")
+    assert seen > 50  # the check sees the kernels at all
+    assert wrong == []
 
 
 def _unresolved(source: str, defined: dict) -> set[str]:
@@ -49,10 +65,6 @@ def _unresolved(source: str, defined: dict) -> set[str]:
 
 def _value(x):
     return getattr(x, "value", x)  # a tl.constexpr's value
-
-
-def _is_jit(value) -> bool:
-    return callable(getattr(value, "fn", None)) and hasattr(value, "arg_names")
 
 
 def _numbers_read(kernel, seen=None):
@@ -75,7 +87,9 @@ def _numbers_read(kernel, seen=None):
 def test_every_kernel_compiles_from_its_closure_as_inductor_builds_it():
     problems, kernels = [], 0
     for module in _kernel_modules():
-        for name, kernel in _own_jit_functions(module):
+        for name, kernel in _jit_functions(module):
+            if kernel.fn.__module__ != module.__name__:
+                continue  # each kernel once, in the module that defines it
             kernels += 1
             with launch._jit_functions(kernel) as jitted:  # JITFunctions where the interpreter made others
                 source = user_defined_triton_kernel_transitive_closure_source_code(jitted)
