@@ -20,7 +20,7 @@ import torch
 
 import fusionpass
 from fusionpass import registry
-from fusionpass.cost import MODES, Range
+from fusionpass.cost import MODES, Field, Range
 from fusionpass.explain import fresh_compile_caches
 
 
@@ -317,10 +317,10 @@ def open_cost_rules() -> dict[str, int]:
                 continue
             for mode in MODES:
                 lo, hi = getattr(rule, mode) or (None, None)
-                if isinstance(lo, str):
-                    opened[lo] = 0
-                if isinstance(hi, str):
-                    opened[hi] = 2**62
+                if isinstance(lo, Field):
+                    opened[registry.setting_of(lo.options, lo.name)] = 0
+                if isinstance(hi, Field):
+                    opened[registry.setting_of(hi.options, hi.name)] = 2**62
     return opened
 
 
