@@ -132,8 +132,12 @@ class Config:
     def __hash__(self):
         return hash(self.key())
 
-    def __reduce__(self):  # pickling and copying go through the constructor (frozen slots)
-        return (_from_fields, (self._fields(),))
+    def __reduce__(self):
+        # Pickling and copying go through the constructor (frozen slots). The fusions go as a
+        # sorted tuple: a frozenset's pickle follows the process's string hash seed, and torch 2.11
+        # hashes pre_grad_custom_pass (our pass, holding this config) by its pickle into Inductor's
+        # and AOTAutograd's cache keys, so a set made every second process miss both caches.
+        return (_from_fields, ({**self._fields(), "fusions": tuple(sorted(self.fusions))},))
 
     def __repr__(self):
         known = settings()

@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import pickle
 import re
 import shutil
 import subprocess
@@ -697,6 +698,18 @@ def test_config_key_is_stable():
     b = config_mod.Config(fusions=frozenset([FUSION, "rope"]))
     assert a.key() == b.key() and hash(a) == hash(b)
     assert a.key() != a.replace(cpu=True).key()
+
+
+def test_pass_pickles_the_same_in_every_process():
+    """torch 2.11 keys Inductor's and AOTAutograd's caches on the pickle of pre_grad_custom_pass
+    (2.13 asks its uuid() instead): that pickle must not follow the string hash seed, or a second
+    process misses both caches (benchmarks/results/trainer/2026-12-05-h100-cache-keys.json)."""
+    code = ("import hashlib, pickle; from fusionpass import config; from fusionpass.passes import PreGradFusionPass;"
+            "print(hashlib.sha256(pickle.dumps(PreGradFusionPass(config.Config()))).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": str(seed)},
+                              capture_output=True, text=True, check=True).stdout for seed in (1, 2, 3, 4)}
+    assert len(digests) == 1, digests
+    assert pickle.loads(pickle.dumps(config_mod.Config())) == config_mod.Config()
 
 
 # ---------------------------------------------------------------------------------------------

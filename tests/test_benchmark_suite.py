@@ -227,9 +227,8 @@ def test_trainer_runs_are_written_as_they_finish(tmp_path):
 
 def test_fusionpass_cache_keys_hold_across_processes_on_the_cpu(tmp_path):
     """benchmarks/probes/cache_keys.py on the tiny Trainer run: a second process computes the same FX
-    graph keys as the first and hits the cache. On the GPU's torch 2.11 it does not yet: the keys hash
-    the pass by its pickle, which follows the string hash seed
-    (benchmarks/results/trainer/2026-12-05-h100-cache-keys.json)."""
+    graph keys as the first and hits the cache (on torch 2.11 keys hang on the pass's pickle: test_api's
+    test_pass_pickles_the_same_in_every_process)."""
     probe = load_script("cache_keys_probe", ROOT / "benchmarks" / "probes" / "cache_keys.py")
     out = tmp_path / "keys.json"
     assert probe.main(["--smoke", "--device", "cpu", "--seq", "32", "--batch", "2", "--out", str(out)]) == 0
