@@ -4,8 +4,8 @@ rope_attention and attention_out_proj are built from (each fusion's cases are in
 counts, shapes) and, for the benchmarks, the same layers (`make_layers`).
 
 The attention layers are transformers 5.17's own (LlamaAttention, MistralAttention,
-BertSelfAttention, GPT2Attention, BloomAttention, MptAttention, FalconAttention, GPTJAttention),
-built from tiny configs. A small wrapper per family prepares what its model computes once per
+BertSelfAttention, GPT2Attention, BloomAttention, MptAttention, FalconAttention, GPTJAttention,
+Gemma2Attention), built from tiny configs. A small wrapper per family prepares what its model computes once per
 forward and hands every layer: the mask from masking_utils (materialized under torch.compile),
 rotary cos/sin from arange position ids, the ALiBi tensors of BLOOM, MPT and Falcon, the static KV
 cache of a decode step. Each wrapper runs two layers over that one mask (x = x + attn(x)), as a
@@ -191,6 +191,36 @@ class DeepseekMLA(nn.Module):
         mask = mu.create_causal_mask(self.config, x, attention_mask, None, position_ids=positions)
         cos_sin = self.rotary(x, positions)
         for layer in self.layers:
+            x = x + layer(x, cos_sin, mask)[0]
+        return x
+
+
+class Gemma2(nn.Module):
+    """Gemma2Attention layers, eager (the implementation Gemma-2's logit soft-capping needs): the
+    first layer a sliding window of about a third of the sequence, the second full, each with the
+    mask Gemma2Model builds for its layer type; scores soft-capped at `softcap`."""
+
+    def __init__(self, shape: Shape, impl: str = "eager", softcap: float = 50.0):
+        super().__init__()
+        import transformers
+        from transformers.models.gemma2 import modeling_gemma2 as family
+
+        self.config = transformers.Gemma2Config(
+            hidden_size=64 * shape.hq, num_attention_heads=shape.hq, num_key_value_heads=shape.hkv, head_dim=shape.d,
+            query_pre_attn_scalar=shape.d, attn_logit_softcapping=softcap, sliding_window=shape.s // 3 | 1,
+            num_hidden_layers=LAYERS, layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4096,
+            attention_dropout=0.0)
+        self.config._attn_implementation = impl
+        self.rotary = family.Gemma2RotaryEmbedding(self.config)
+        self.layers = nn.ModuleList(family.Gemma2Attention(self.config, i) for i in range(LAYERS))
+
+    def forward(self, x, attention_mask=None):
+        mu = _masking()
+        positions = _positions(x.shape[1], x.device)
+        masks = {"full_attention": mu.create_causal_mask, "sliding_attention": mu.create_sliding_window_causal_mask}
+        cos_sin = self.rotary(x, positions)
+        for layer in self.layers:
+            mask = masks[layer.layer_type](self.config, x, attention_mask, None, position_ids=positions)
             x = x + layer(x, cos_sin, mask)[0]
         return x
 

@@ -46,6 +46,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fusionpass.patterns import dropout as dp
 from fusionpass.patterns import graph as g
 from fusionpass.patterns import masks
+from fusionpass.patterns.softcap import softcap_of
 from fusionpass.registry import NearMiss
 
 _MATMULS = (torch.matmul, operator.matmul, "matmul")
@@ -124,6 +125,8 @@ class Eager:
         # key_bias_scale times; its mask carries a second per-key bias (mask_bias, added once)
         self.key_bias_scale = 1.0
         self.mask_bias: fx.Node | None = None
+        # Gemma-2 caps the scaled scores, c * tanh(s / c), before adding the mask (0: no cap)
+        self.softcap = 0.0
 
 
 def _single_use(node: fx.Node, user: fx.Node) -> None:
@@ -416,6 +419,16 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
         e.nodes.append(node)
         user, node = node, a
 
+    # Gemma-2's soft-capping of the scaled scores, under the mask
+    capped = softcap_of(node)
+    if capped is not None:
+        for n, reader in zip(capped[2], [user, *capped[2]]):
+            _single_use(n, reader)
+        e.nodes += capped[2]
+        user, node = capped[2][-1], capped[0]
+        e.softcap = capped[1]
+    capped_bias = e.key_bias  # a bias added after the cap, as the kernel adds it
+
     # the scores: view(baddbmm(key_bias, q3, k3^T)), matmul(q, k^T) [* or / constant]
     if g.is_call(node, g.VIEWS) and g.is_call(g.first_arg(node), (torch.baddbmm, "baddbmm")):
         _single_use(node, user)
@@ -469,6 +482,8 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
             return None
         _single_use(node, user)
         e.nodes += [node, kt]
+    if e.softcap and e.key_bias is not capped_bias:
+        raise NearMiss("a bias added to the scores inside the soft-cap (the kernel adds biases after it)")
     # the transposes/reshapes of q and k go only if nothing else reads them
     e.nodes = [n for n in e.nodes if n is not None]
     args = {"query": q, "key": k, "value": v, "attn_mask": e.mask, "dropout_p": e.dropout_p,

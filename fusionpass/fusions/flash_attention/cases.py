@@ -13,14 +13,15 @@ import torch
 
 from fusionpass.conformance import Case
 from fusionpass.conformance.attention_layers import (
-    F77, G1000, G1000_128, G513, G77, GP1000, GP513, GP77, GPD256, GPT2, KERNEL, LAYERS, M1000,
-    M513, M77, MP1000, MP513, MP77, Bert, Bloom, DeepseekMLA, Falcon, Llama, Mpt, PackedLlama,
+    F77, G1000, G1000_128, G333_256, G513, G77, GP1000, GP513, GP77, GPD256, GPT2, KERNEL, LAYERS, M1000,
+    M513, M77, MP1000, MP513, MP77, Bert, Bloom, DeepseekMLA, Falcon, Gemma2, Llama, Mpt, PackedLlama,
     Shape, always, kernel_counts, layer_cases,
 )
 from fusionpass.conformance.builders import BF16, FP16, FP32
 
 
 CUDNN_PADDING = {"attention_cudnn_padding": True}  # fusionpass::padded_attention (opt-in)
+SOFTCAP = {"attention_softcap": True}  # soft-capped scores (opt-in until measured)
 
 
 def _cudnn_route(train: bool, shape: Shape, dtype) -> dict:
@@ -56,6 +57,19 @@ CASES = [
     *layer_cases("flash_attention", "eager_kernel", "gpt2-eager", GPT2, kernel_counts(), [
         (BF16, M77, True, None), (FP16, M513, True, None), (FP32, M1000, False, None), (BF16, M1000, False, None),
     ]),
+    # Gemma-2's soft-capped scores (caps of 50, its default, and 5, which most scores reach), a
+    # sliding-window layer and a full one, GQA, with the rope fusion in front
+    *layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager", Gemma2, kernel_counts("rope"), [
+        (BF16, GPD256, True, None), (FP16, G77, True, None), (BF16, G513, False, None),
+        (FP32, GPD256, True, None),
+    ], SOFTCAP),
+    *layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-cap5", Gemma2, kernel_counts("rope"), [
+        (BF16, G1000, True, None), (FP16, G333_256, False, None),
+    ], SOFTCAP, softcap=5.0),
+    # ... off by default: the near miss names the setting
+    *[dataclasses.replace(c, near_miss="attention_softcap=True")
+      for c in layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-default", Gemma2,
+                           always(rope=LAYERS), [(BF16, GPD256, True, None)])],
     *layer_cases("flash_attention", "eager_alibi_kernel", "bloom-eager", Bloom, kernel_counts(), [
         (BF16, M77, True, None), (FP16, M513, False, None), (BF16, Shape(2, 12, 12, 1000, 80), True, None),
         (FP32, Shape(2, 12, 12, 1000, 80), True, None),

@@ -4,7 +4,7 @@ custom ops (CPU), autograd.
     out, lse = flash_attention(q, k, v, key_padding=None, key_bias=None, seed=None,
                                rope_cos=None, rope_sin=None, segments=None, *, scale, causal=False, window=0,
                                align_bottom_right=False, diagonal=0, dropout_p=0.0, token_major=False,
-                               rope_form="", rotary_dim=0)
+                               rope_form="", rotary_dim=0, softcap=0.0)
 
 The rewrites pass every argument past q, k and v by name, and those that edit a call
 (rope_attention, attention_out_proj) set it by name. The options are keyword-only; the optional
@@ -19,7 +19,8 @@ diagonal: pos_i moved by that many keys more (with causal; ModernBERT's band |i 
 window 2w + 1 at diagonal w),
 segments [B, L] integer (Lq == Lk == L) or None: key j is visible to query i only where
 segments[b, i] == segments[b, j] (packed sequences; each row nondecreasing),
-dropout_p > 0 needs `seed` (a one-element int64 tensor). The math, the RNG and the rows that see
+dropout_p > 0 needs `seed` (a one-element int64 tensor), softcap c > 0 caps the scaled scores at
+c * tanh(s / c) before any bias or mask (Gemma-2). The math, the RNG and the rows that see
 no key (out 0, lse EMPTY_LSE) are those of fusionpass/kernels/attention.
 
 Output layout: `out` is [B, Hq, Lq, D]; contiguous by default, or with `token_major=True` laid out
@@ -60,9 +61,10 @@ CPU_BLOCKS: dict[str, int] = {}
 
 
 def _options(key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
-             segments=None) -> dict:
+             segments=None, softcap=0.0) -> dict:
     return dict(
         segments=segments,
+        softcap=softcap,
         causal=causal,
         scale=scale,
         window=window or None,
@@ -102,11 +104,11 @@ def _rope(rope_cos, rope_sin, rope_form, rotary_dim):
 
 
 def _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p,
-                    seed, segments=None, token_major=False, rope=None, blocks=None):
+                    seed, segments=None, token_major=False, rope=None, blocks=None, softcap=0.0):
     from fusionpass.kernels.attention import attention_fwd
 
     opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
-                    segments)
+                    segments, softcap)
     blocks = {k_: v_ for k_, v_ in (blocks or {}).items() if k_ in ("block_m", "block_n")}
     # the kernel writes any [B, Hq, Lq, D] view: token-major output costs nothing extra
     out = token_major_empty(q) if token_major else None
@@ -114,11 +116,11 @@ def _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align
 
 
 def _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
-                     dropout_p, seed, segments=None, blocks=None):
+                     dropout_p, seed, segments=None, blocks=None, softcap=0.0):
     from fusionpass.kernels.attention import attention_bwd
 
     opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
-                    segments)
+                    segments, softcap)
     return attention_bwd(do, q, k, v, out, lse, **opts, **(blocks or {}))
 
 
@@ -144,7 +146,7 @@ def visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, device, 
 
 
 def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
-               segments=None):
+               segments=None, softcap=0.0):
     from fusionpass.kernels.attention import EMPTY_LSE, attention_dropout_constants
     from fusionpass.fusions.layer_norm_dropout_residual.op import philox_keep16
 
@@ -154,6 +156,8 @@ def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bott
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
     s = (q.float() @ kf.transpose(-1, -2)) * (D**-0.5 if scale is None else scale)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if key_bias is not None:
         s = s + key_bias.float().expand(B, Hq, Lk)[:, :, None, :]
     vis = visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, q.device, diagonal, segments)
@@ -171,12 +175,12 @@ def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bott
 
 
 def _reference_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
-                        diagonal, dropout_p, seed, segments=None):
+                        diagonal, dropout_p, seed, segments=None, softcap=0.0):
     # torch.func.vjp, not torch.autograd: this runs inside a custom op's implementation, below the
     # autograd dispatch key, where enable_grad() records nothing
     def forward(q_, k_, v_):
         return _reference(q_, k_, v_, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
-                          dropout_p, seed, segments)[0]
+                          dropout_p, seed, segments, softcap)[0]
 
     _, vjp = torch.func.vjp(forward, q, k, v)
     return vjp(do.to(q.dtype))
@@ -193,18 +197,19 @@ def _forward_host(
     segments: Tensor | None = None, *, scale: float,
     causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
     dropout_p: float = 0.0, token_major: bool = False, rope_form: str = "", rotary_dim: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     args = (q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
             segments)
     rope = _rope(rope_cos, rope_sin, rope_form, rotary_dim)
     if host.interpreting():
-        out, lse = _kernel_forward(*args, token_major=token_major, rope=rope, blocks=CPU_BLOCKS)
+        out, lse = _kernel_forward(*args, token_major=token_major, rope=rope, blocks=CPU_BLOCKS, softcap=softcap)
     else:
         if rope is not None:
             from fusionpass.fusions.rope.op import reference as rotate
 
             args = (rotate(q, rope_cos, rope_sin, rope_form, rotary_dim, False), *args[1:])
-        out, lse = _reference(*args)
+        out, lse = _reference(*args, softcap=softcap)
         out = token_major_empty(q).copy_(out) if token_major else out.contiguous()
     return out, lse.contiguous()
 
@@ -220,14 +225,14 @@ def _backward_host(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None = None,
     key_bias: Tensor | None = None, seed: Tensor | None = None, segments: Tensor | None = None, *, scale: float,
     causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
-    dropout_p: float = 0.0,
+    dropout_p: float = 0.0, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     args = (do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
             dropout_p, seed, segments)
     if host.interpreting():
-        dq, dk, dv = _kernel_backward(*args, blocks=CPU_BLOCKS)
+        dq, dk, dv = _kernel_backward(*args, blocks=CPU_BLOCKS, softcap=softcap)
     else:
-        dq, dk, dv = _reference_backward(*args)
+        dq, dk, dv = _reference_backward(*args, softcap=softcap)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -247,17 +252,18 @@ def flash_attention(
     segments: Tensor | None = None, *, scale: float,
     causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
     dropout_p: float = 0.0, token_major: bool = False, rope_form: str = "", rotary_dim: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     _check(q, k, v, dropout_p, seed, window, causal)
     options = dict(scale=scale, key_padding=key_padding, key_bias=key_bias, causal=causal, window=window,
                    align_bottom_right=align_bottom_right, diagonal=diagonal, dropout_p=dropout_p, seed=seed,
-                   segments=segments)
+                   segments=segments, softcap=softcap)
     rope = dict(rope_cos=rope_cos, rope_sin=rope_sin, rope_form=rope_form, rotary_dim=rotary_dim)
     if q.device.type != "cuda":
         return _forward_host(q, k, v, **options, token_major=token_major, **rope)
     return _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
                            dropout_p, seed, segments, token_major=token_major,
-                           rope=_rope(rope_cos, rope_sin, rope_form, rotary_dim))
+                           rope=_rope(rope_cos, rope_sin, rope_form, rotary_dim), softcap=softcap)
 
 
 @torch.library.triton_op("fusionpass::flash_attention_backward", mutates_args=())
@@ -265,14 +271,15 @@ def flash_attention_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None = None,
     key_bias: Tensor | None = None, seed: Tensor | None = None, segments: Tensor | None = None, *, scale: float,
     causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
-    dropout_p: float = 0.0,
+    dropout_p: float = 0.0, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if do.device.type != "cuda":
         return _backward_host(do, q, k, v, out, lse, scale=scale, key_padding=key_padding, key_bias=key_bias,
                               causal=causal, window=window, align_bottom_right=align_bottom_right,
-                              diagonal=diagonal, dropout_p=dropout_p, seed=seed, segments=segments)
+                              diagonal=diagonal, dropout_p=dropout_p, seed=seed, segments=segments,
+                              softcap=softcap)
     return _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
-                            diagonal, dropout_p, seed, segments)
+                            diagonal, dropout_p, seed, segments, softcap=softcap)
 
 
 def _setup(ctx, inputs, keyword_only_inputs, output):
@@ -283,7 +290,8 @@ def _setup(ctx, inputs, keyword_only_inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin, segments)
     kw = keyword_only_inputs
-    ctx.flags = {n: kw[n] for n in ("scale", "causal", "window", "align_bottom_right", "diagonal", "dropout_p")
+    ctx.flags = {n: kw[n] for n in ("scale", "causal", "window", "align_bottom_right", "diagonal", "dropout_p",
+                                            "softcap")
                  if n in kw}
     ctx.rope = (kw.get("rope_form", ""), kw.get("rotary_dim", 0))
     ctx.set_materialize_grads(False)

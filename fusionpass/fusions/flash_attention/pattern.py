@@ -133,7 +133,7 @@ def _eager_search(node: fx.Node) -> Match | None:
     grouped = sdpa.grouped_kv(args)
     if grouped is not None:
         key, value, _ = grouped
-    variant = "eager_alibi_mask_kernel" if e.mask_bias is not None else (
+    variant = "eager_softcap_kernel" if e.softcap else "eager_alibi_mask_kernel" if e.mask_bias is not None else (
         "eager_alibi_kernel" if biased else "eager_kernel")
     return Match(
         variant=variant,
@@ -366,6 +366,8 @@ def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
     options = dict(key_padding=b["key_padding"], key_bias=key_bias, scale=scale, causal=causal,
                    window=b["window"] or 0, align_bottom_right=b["shift"] != 0 and not band,
                    diagonal=b["shift"] if band else 0, dropout_p=p, seed=seed, segments=b.get("segments"))
+    if e is not None and e.softcap:
+        options["softcap"] = e.softcap
     value = b["value"]
     dv = g.static_int(g.tensor(value).shape[-1])
     if dv != d:
@@ -439,6 +441,14 @@ def _sliding_window_on(cfg) -> bool:
     return cfg.attention_kernel or cfg.attention_sliding_window
 
 
+def _softcap_on(cfg) -> bool:
+    return cfg.attention_softcap
+
+
+def _softcap_off(cfg) -> bool:
+    return not _softcap_on(cfg)
+
+
 def _sliding_window_off(cfg) -> bool:
     return not _sliding_window_on(cfg)
 
@@ -496,6 +506,10 @@ class Options:
                               "padded with zero columns to q's head dim for the kernel")
     # Off until measured against our kernel and cuDNN's causal one (benchmarks/probes/
     # collator_attention_routes.py): needs the `cudnn` extra (nvidia-cudnn-frontend).
+    # Off until measured on the GPU against plain compile's S x S scores (Gemma-2's eager attention);
+    # the kernel's numerics are checked (the conformance cases of fusionpass/fusions/flash_attention).
+    softcap: bool = option(False, "eager-math attention whose scaled scores are soft-capped, c * tanh(s / c) "
+                                  "(Gemma-2's attn_logit_softcapping) -> fusionpass::flash_attention with softcap")
     cudnn_padding: bool = option(False, "causal or all-true masks with run-time key padding over square scores "
                                         "-> fusionpass::padded_attention: cuDNN's padding mask for rows whose "
                                         "keys are a prefix, our kernel for the others")
@@ -560,6 +574,18 @@ def _sliding_window_opt_in(node: fx.Node) -> Match | None:
     return None
 
 
+SOFTCAP_OPT_IN = ("soft-capped attention scores: the kernel's softcap route is not yet measured on the GPU, "
+                  "opt-in (attention_softcap=True / FUSIONPASS_ATTENTION_SOFTCAP=1)")
+
+
+def _softcap_opt_in(node: fx.Node) -> Match | None:
+    """With the softcap route off: eager attention with soft-capped scores, a near miss that names
+    the setting."""
+    if _eager_search(node) is not None and eager.describe(node)[0].softcap:
+        raise NearMiss(SOFTCAP_OPT_IN)
+    return None
+
+
 _UNMATCHED = "softmax(scores) @ values in a form this fusion has no rewrite for"
 
 
@@ -596,6 +622,8 @@ FLASH_ATTENTION = registry.register(
         variants=(
             Variant("eager_kernel", _only(_eager_search, "eager_kernel")),
             Variant("eager_alibi_kernel", _only(_eager_search, "eager_alibi_kernel")),
+            Variant("eager_softcap_kernel", _only(_eager_search, "eager_softcap_kernel"), when=_softcap_on),
+            Variant("eager_softcap_opt_in", _softcap_opt_in, when=_softcap_off, reports_only=True),
             # Falcon's eager form with ALiBi in scores and mask: only its fp32 form reaches this (in
             # bf16/fp16 it upcasts its scores after viewing them, which the search does not
             # follow), and kernel_dtypes keeps fp32 out on CUDA

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from fusionpass.kernels.common import _FLOAT_DTYPES, _device_guard, _for_store, _round
+from fusionpass.kernels.tanh import tanh
 
 __all__ = ["Tiling", "ce_chunk", "chunk_rows_for", "linear_cross_entropy_fwd", "tiling"]
 
@@ -80,24 +81,11 @@ def chunk_rows_for(n_rows: int, vocab: int, dtype: torch.dtype, chunk_bytes: int
 # Kernel: one program per row of a [rows, V] logits block
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _tanh(x):
-    # No libdevice under the interpreter. (1 - e) / (1 + e) with e = exp(-2|x|) cancels for small
-    # |x|: there the odd Taylor polynomial (error < 3e-10 relative below 0.125) takes over.
-    a = tl.abs(x)
-    e = tl.exp(-2.0 * a)
-    big = (1.0 - e) / (1.0 + e)
-    x2 = a * a
-    small = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    t = tl.where(a < 0.125, small, big)
-    return tl.where(x < 0, -t, t)
-
-
-@triton.jit
 def _capped(z, softcap, SOFTCAP: tl.constexpr, ROUND_CAPPED: tl.constexpr, DT: tl.constexpr,
             ROUND_BITS: tl.constexpr):
     """(zc, t): the logits the loss sees and tanh(z / c) (t is z itself without capping)."""
     if SOFTCAP:
-        t = _tanh(z / softcap)
+        t = tanh(z / softcap)
         zc = t * softcap
         if ROUND_CAPPED:
             zc = _round(zc, DT, ROUND_BITS)

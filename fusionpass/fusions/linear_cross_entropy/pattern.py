@@ -42,12 +42,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fusionpass import registry
 from fusionpass.cost import Range, fields
 from fusionpass.patterns import graph as g
+from fusionpass.patterns.softcap import literal, softcap_of
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
 
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 _LINEAR = (torch._C._nn.linear,)  # F.linear is the same builtin
 _MATMUL = (operator.matmul, torch.matmul, torch.mm)
-_TANH = (torch.tanh,)
 _RESHAPE_METHODS = ("view", "reshape", "flatten", "contiguous")
 _RESHAPE_FUNCTIONS = (torch.reshape, torch.flatten)
 ANOTHER_GRAPH = (
@@ -139,54 +139,6 @@ def _is_shift(node: fx.Node) -> fx.Node | None:
     return src
 
 
-def _literal(arg) -> float | None:
-    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
-        return float(arg)
-    return None
-
-
-def _softcap(node: fx.Node):
-    """(x, c, nodes) of `tanh(x / c) * c` (or `tanh(x * (1/c)) * c`), else None."""
-    if not g.is_op(node, "mul"):
-        return None
-    for tanh, c in g.commuted(node):
-        c = _literal(c)
-        if c is None or not isinstance(tanh, fx.Node):
-            continue
-        is_tanh = (tanh.op == "call_function" and tanh.target in _TANH) or (
-            tanh.op == "call_method" and tanh.target == "tanh"
-        )
-        if not is_tanh or len(tanh.args) != 1 or tanh.kwargs:
-            continue
-        inner = tanh.args[0]
-        if g.is_op(inner, "div") and g.binary_operands(inner):
-            x, d = inner.args
-            if _literal(d) is None or not isinstance(x, fx.Node):
-                continue
-            if _literal(d) != c:
-                raise NearMiss(f"soft-cap divides by {d} but multiplies by {c}")
-        elif g.is_op(inner, "mul") and g.binary_operands(inner):
-            pair = next(
-                ((x, s) for x, s in g.commuted(inner) if isinstance(x, fx.Node) and _literal(s) is not None),
-                None,
-            )
-            if pair is None:
-                continue
-            x, s = pair
-            if abs(_literal(s) * c - 1.0) > 1e-6:
-                raise NearMiss(f"soft-cap scales by {s} but multiplies by {c}")
-        else:
-            continue
-        if c == 0.0:
-            return None
-        return x, c, [node, tanh, inner]
-    if any(
-        isinstance(a, fx.Node) and (a.target in _TANH or a.target == "tanh") for a in node.args
-    ):
-        raise NearMiss("tanh soft-capping whose cap is not a constant")
-    return None
-
-
 def _transposed_weight(node) -> fx.Node | None:
     """W of `W.t()`, `W.T`, `W.mT`, `W.transpose(0, 1)`, `torch.t(W)` for a 2-D W."""
     if not isinstance(node, fx.Node):
@@ -264,7 +216,7 @@ def _walk(node: fx.Node) -> _Chain | None:
                     return None
                 shift = node
         if src is None:
-            capped = _softcap(node)
+            capped = softcap_of(node)
             if capped is not None:
                 if softcap is not None:
                     return None
@@ -406,7 +358,7 @@ def ignore_index_constant(m: Match, cfg) -> str | None:
 
 def label_smoothing_constant(m: Match, cfg) -> str | None:
     value = m.bindings["ce_args"]["label_smoothing"]
-    if _literal(value) is None:
+    if literal(value) is None:
         return f"label_smoothing {value!r} is not a constant"
     if not 0.0 <= value <= 1.0:
         return f"label_smoothing {value} is outside [0, 1]"

@@ -7,6 +7,7 @@ import triton.language as tl
 
 from fusionpass.kernels.attention.blocks import (
     _alibi_slope2,
+    _capped_ds,
     _diagonal_shift,
     _dropout_rows,
     _EMPTY,
@@ -21,6 +22,8 @@ from fusionpass.kernels.attention.blocks import (
     _NO_SPEC,
     _query_block,
     _query_ranges,
+    _raw_scores,
+    _scale_and_cap,
     _scores,
     _segment_rows,
     _valid_keys,
@@ -64,11 +67,11 @@ def _live_rows(lo, full_lo, full_hi, hi, q_end, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod,
-                start, end, n0, cols, kp, kb, offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2,
+                start, end, n0, cols, kp, kb, offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, cap2, slope2,
                 drop_scale, bh, k0, k1, o0, o1, thr, seg_base, seg_k,
                 CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
                 HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
-                MASKED: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+                SOFTCAP: tl.constexpr, MASKED: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Transposed tiles: [BLOCK_N keys, BLOCK_M queries]; n0 is the key block's first column.
     for m0 in range(start, end, BLOCK_M):
@@ -80,7 +83,7 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
         # rows past Lq: lse = EMPTY gives P = 0 whatever their (zero) q scores against the bias
         lse2 = tl.load(lse_base + rows, mask=r_ok, other=_EMPTY) * _LOG2E
         delta = tl.load(delta_base + rows, mask=r_ok, other=0.0)
-        sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+        sT, tT = _raw_scores(tl.dot(k, tl.trans(q), input_precision=PREC), qk_scale, cap2, SOFTCAP)
         if HAS_SEG:
             seg_q = tl.load(seg_base + rows, mask=r_ok, other=-1)
         else:
@@ -100,7 +103,7 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
         else:
             pdT = pT
         dv += tl.dot(_mm_operand(pdT, DT, INTERP), do, input_precision=PREC)
-        dsT = pT * (dpT - delta[None, :])
+        dsT = _capped_ds(pT * (dpT - delta[None, :]), tT, SOFTCAP)
         dk += tl.dot(_mm_operand(dsT, DT, INTERP), q, input_precision=PREC)
     return dk, dv
 
@@ -110,17 +113,18 @@ def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, QEND, DK, DV, SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, skpb, skpn, skbb, skbh, skbn,
-    Hq, Hkv, Lq, Lk, GROUP, num_n, sm_scale, window, diag, drop_scale,
+    Hq, Hkv, Lq, Lk, GROUP, num_n, sm_scale, window, diag, drop_scale, softcap,
     seed_lo, seed_hi, off_lo, off_hi, thr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
     ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_KVLEN: tl.constexpr,
     HAS_SEG: tl.constexpr,
-    DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     DT: tl.constexpr = Q.dtype.element_ty
     sm_scale = tl.cast(sm_scale, tl.float32)
-    qk_scale = sm_scale * _LOG2E
+    qk_scale, cap2 = _scale_and_cap(sm_scale, softcap, SOFTCAP)
     drop_scale = tl.cast(drop_scale, tl.float32)
     k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
@@ -178,21 +182,21 @@ def _bwd_dkdv_kernel(
             dk, dv = _dkdv_steps(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, h_lo, h_full_lo, n0, cols,
                 kp, kb,
-                offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
+                offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, cap2, slope2, drop_scale, bh,
                 k0, k1, o0, o1, t, seg_base, seg_k, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG,
-                DROPOUT, True, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+                DROPOUT, SOFTCAP, True, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
         dk, dv = _dkdv_steps(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, h_full_lo, h_full_hi, n0,
             cols, kp, kb,
-            offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
+            offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, cap2, slope2, drop_scale, bh,
             k0, k1, o0, o1, t, seg_base, seg_k, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG,
-            DROPOUT, False, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+            DROPOUT, SOFTCAP, False, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
         dk, dv = _dkdv_steps(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, h_full_hi, h_hi, n0, cols,
             kp, kb,
-            offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, slope2, drop_scale, bh,
+            offs_m, offs_d, d_ok, Lq, shift, kv_end, window, qk_scale, cap2, slope2, drop_scale, bh,
             k0, k1, o0, o1, t, seg_base, seg_k, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG,
-            DROPOUT, True, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+            DROPOUT, SOFTCAP, True, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
     dk = dk * sm_scale
     GRAD_DT: tl.constexpr = DK.dtype.element_ty
     tl.store(DK + b64 * sdkb + hk64 * sdkh + cols[:, None] * sdkn + offs_d[None, :] * sdkd,
@@ -203,18 +207,18 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
-              start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale,
+              start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_scale,
               drop_rows, k0, k1, o0, o1, thr, seg_base, seg_q,
               CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
               HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
-              MASKED: tl.constexpr, EVEN_D: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
-              PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              SOFTCAP: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DT: tl.constexpr,
+              INTERP: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
         kb = _key_bias(kb_base, skbn, cols, kv_end, HAS_KB, MASKED)
         k = _load_kv(k_base + cols[:, None] * skn + offs_d[None, :] * skd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
         v = _load_kv(v_base + cols[:, None] * svn + offs_d[None, :] * svd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        s, t_cap = _raw_scores(tl.dot(q, tl.trans(k), input_precision=PREC), qk_scale, cap2, SOFTCAP)
         keep = _key_block_kept(kp_base, skpn, seg_base, seg_q, cols, kv_end, HAS_KPM, HAS_SEG)
         s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, keep,
                     kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM or HAS_SEG, HAS_KB,
@@ -224,7 +228,7 @@ def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd
         if DROPOUT:
             keep = keep_mask16(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * drop_scale, 0.0)
-        ds = p * (dp - delta[:, None])
+        ds = _capped_ds(p * (dp - delta[:, None]), t_cap, SOFTCAP)
         dq += tl.dot(_mm_operand(ds, DT, INTERP), k, input_precision=PREC)
     return dq
 
@@ -234,18 +238,19 @@ def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, QEND, DQ, SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
     sdqb, sdqh, sdqm, sdqd, skpb, skpn, skbb, skbh, skbn,
-    Hq, Lq, Lk, GROUP, num_m, sm_scale, window, diag, drop_scale,
+    Hq, Lq, Lk, GROUP, num_m, sm_scale, window, diag, drop_scale, softcap,
     seed_lo, seed_hi, off_lo, off_hi, thr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
     ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_KVLEN: tl.constexpr,
     HAS_SEG: tl.constexpr,
-    DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     DT: tl.constexpr = Q.dtype.element_ty
     EVEN_D: tl.constexpr = D == BLOCK_D
     sm_scale = tl.cast(sm_scale, tl.float32)
-    qk_scale = sm_scale * _LOG2E
+    qk_scale, cap2 = _scale_and_cap(sm_scale, softcap, SOFTCAP)
     drop_scale = tl.cast(drop_scale, tl.float32)
     k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
@@ -285,19 +290,19 @@ def _bwd_dq_kernel(
     if WINDOWED:
         dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
                    lo, full_lo,
-                       pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale, drop_rows,
+                       pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_scale, drop_rows,
                        k0, k1, o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
-                       HAS_SEG, DROPOUT, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+                       HAS_SEG, DROPOUT, SOFTCAP, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
     dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
                    full_lo, full_hi,
-                   pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale, drop_rows,
+                   pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_scale, drop_rows,
                    k0, k1, o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
-                   HAS_SEG, DROPOUT, False, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+                   HAS_SEG, DROPOUT, SOFTCAP, False, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
     dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
                    full_hi, hi,
-                   pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_scale, drop_rows,
+                   pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_scale, drop_rows,
                    k0, k1, o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
-                   HAS_SEG, DROPOUT, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+                   HAS_SEG, DROPOUT, SOFTCAP, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
     dq = dq * sm_scale
     GRAD_DT: tl.constexpr = DQ.dtype.element_ty
     tl.store(DQ + b64 * sdqb + h64 * sdqh + offs_m[:, None] * sdqm + offs_d[None, :] * sdqd,

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from fusionpass.kernels.common import _round
 from fusionpass.kernels.rng import RNG_ARGS as _RNG_ARGS
+from fusionpass.kernels.tanh import tanh
 
 # lse of a query row that sees no key (see fusionpass.kernels.attention's docstring).
 EMPTY_LSE = 1e30
@@ -52,6 +53,44 @@ def _mm_operand(x, DT: tl.constexpr, INTERP: tl.constexpr):
     else:
         out = x.to(DT)
     return out
+
+
+@triton.jit
+def _scale_and_cap(qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """(the factor of the q . k products, cap2) for `_raw_scores` from the host's scale and softcap:
+    scale * log2(e) and unused, or with SOFTCAP scale / c and c * log2(e)."""
+    scale = tl.cast(qk_scale, tl.float32)
+    if SOFTCAP:
+        cap = tl.cast(softcap, tl.float32)
+        factor = scale / cap
+        cap2 = cap * _LOG2E
+    else:
+        factor = scale * _LOG2E
+        cap2 = scale * 0.0
+    return factor, cap2
+
+
+@triton.jit
+def _raw_scores(x, factor, cap2, SOFTCAP: tl.constexpr):
+    """(base-2 scores, t) of the products x = q . k before any bias or mask: x * factor, or with
+    SOFTCAP the soft-capped c * tanh(scale * x / c) (Gemma-2's attn_logit_softcapping) and
+    t = tanh(scale * x / c), whose derivative 1 - t^2 the backward multiplies dS by (t is x
+    without SOFTCAP, unused)."""
+    if SOFTCAP:
+        t = tanh(x * factor)
+        s = t * cap2
+    else:
+        t = x
+        s = x * factor
+    return s, t
+
+
+@triton.jit
+def _capped_ds(ds, t, SOFTCAP: tl.constexpr):
+    """dS with respect to the products' scaled values: through the cap's tanh with SOFTCAP."""
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return ds
 
 
 @triton.jit

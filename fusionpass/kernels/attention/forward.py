@@ -15,10 +15,11 @@ from fusionpass.kernels.attention.blocks import (
     _LN2,
     _load,
     _load_kv,
-    _LOG2E,
     _mm_operand,
     _NO_SPEC,
     _query_block,
+    _raw_scores,
+    _scale_and_cap,
     _scores,
     _segment_rows,
     _valid_keys,
@@ -46,18 +47,18 @@ def _softmax_step(s, m_i, l_i, GUARD: tl.constexpr):
 
 @triton.jit
 def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
-               start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, slope2,
+               start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2,
                drop_rows, k0, k1, o0, o1, thr, seg_base, seg_q,
                CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
                HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
-               MASKED: tl.constexpr, EVEN_D: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
-               PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               SOFTCAP: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DT: tl.constexpr,
+               INTERP: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
         # the bias first: issued before the K tile, its load is not waited for after the dot
         kb = _key_bias(kb_base, skbn, cols, kv_end, HAS_KB, MASKED)
         k = _load_kv(k_base + cols[:, None] * skn + offs_d[None, :] * skd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        s, _t = _raw_scores(tl.dot(q, tl.trans(k), input_precision=PREC), qk_scale, cap2, SOFTCAP)
         keep = _key_block_kept(kp_base, skpn, seg_base, seg_q, cols, kv_end, HAS_KPM, HAS_SEG)
         s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, keep,
                     kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM or HAS_SEG, HAS_KB,
@@ -120,19 +121,19 @@ def _fwd_kernel(
     Q, K, V, O, LSE, SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI, COS, SIN,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, skpb, skpn,
     skbb, skbh, skbn, scb, sch, scm, scd, ssb, ssh, ssm, ssd,
-    Hq, Lq, Lk, GROUP, num_m, qk_scale, window, diag, drop_scale,
+    Hq, Lq, Lk, GROUP, num_m, qk_scale, window, diag, drop_scale, softcap,
     seed_lo, seed_hi, off_lo, off_hi, thr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, ALIBI: tl.constexpr,
     ALIBI_SYM: tl.constexpr, HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_KVLEN: tl.constexpr,
     HAS_SEG: tl.constexpr,
-    DROPOUT: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
-    ROPE: tl.constexpr, ROT_DIM: tl.constexpr, ROPE_HALVES: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr,
+    PREC: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr, ROPE_HALVES: tl.constexpr,
 ):
     DT: tl.constexpr = Q.dtype.element_ty
     EVEN_D: tl.constexpr = D == BLOCK_D
     # torch.compile passes Python floats as fp64 scalars; the math is fp32, in base 2.
-    qk_scale = tl.cast(qk_scale, tl.float32) * _LOG2E
+    qk_scale, cap2 = _scale_and_cap(qk_scale, softcap, SOFTCAP)
     drop_scale = tl.cast(drop_scale, tl.float32)
     k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
     pid = tl.program_id(0)
@@ -171,18 +172,18 @@ def _fwd_kernel(
     if WINDOWED:
         acc, l_i, m_i = _fwd_steps(
             acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, lo, full_lo, pos, offs_n,
-            offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t, seg_base, seg_q,
-            CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT, True, EVEN_D, DT, INTERP,
+            offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_rows, k0, k1, o0, o1, t, seg_base, seg_q,
+            CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT, SOFTCAP, True, EVEN_D, DT, INTERP,
             PREC, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_steps(
         acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, full_lo, full_hi, pos, offs_n,
-        offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t, seg_base, seg_q,
-        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT, False, EVEN_D, DT, INTERP,
+        offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_rows, k0, k1, o0, o1, t, seg_base, seg_q,
+        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT, SOFTCAP, False, EVEN_D, DT, INTERP,
         PREC, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_steps(
         acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, full_hi, hi, pos, offs_n,
-        offs_d, d_ok, kv_end, window, qk_scale, slope2, drop_rows, k0, k1, o0, o1, t, seg_base, seg_q,
-        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT, True, EVEN_D, DT, INTERP,
+        offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_rows, k0, k1, o0, o1, t, seg_base, seg_q,
+        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT, SOFTCAP, True, EVEN_D, DT, INTERP,
         PREC, BLOCK_M, BLOCK_N)
 
     empty = l_i == 0.0  # (a row with a visible key has l >= 1: its maximum contributes exp2(0))

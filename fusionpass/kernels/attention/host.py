@@ -105,6 +105,7 @@ def check_options(
     diagonal: int = 0,
     segments: torch.Tensor | None = None,
     skip_batches: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> _Opts:
     """The options `attention_fwd` and `attention_bwd` share (the forward's and the backward's
     `**options`), checked: ValueError on a bad one, TypeError on an unknown one.
@@ -124,12 +125,17 @@ def check_options(
     `skip_batches` [B] bool: the batch rows another kernel computes; nothing of theirs is read or
     written, so the outputs given with it keep that kernel's values there
     (fusionpass::padded_attention).
+    `softcap` c > 0: the scaled scores are soft-capped, c * tanh(scale * q . k / c), before any
+    bias or mask (Gemma-2's attn_logit_softcapping); 0 = none.
     """
     B, Hq, Hkv, Lq, Lk, D = check_qkv(q, k, v)
     dev = q.device
     o = _Opts()
     o.B, o.Hq, o.Hkv, o.Lq, o.Lk, o.D, o.group = B, Hq, Hkv, Lq, Lk, D, Hq // Hkv
     o.scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0.0 <= softcap < math.inf):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no capping), got {softcap!r}")
+    o.softcap = float(softcap)
     o.causal = bool(causal)
     if window is not None:
         if not o.causal:
@@ -222,7 +228,8 @@ def _flags(o: _Opts):
             "WINDOWED": o.window is not None, "BOTTOM_RIGHT": o.bottom_right, "ALIBI": o.slopes is not None,
             "ALIBI_SYM": o.alibi_sym, "HAS_KPM": o.kpm is not None, "HAS_KB": o.kb is not None,
             "HAS_KVLEN": o.kvlen is not None, "HAS_SEG": o.seg is not None,
-            "DROPOUT": o.dropout, "SEED_PTR": o.rng[0] is not None, "INTERP": o.interp, "PREC": o.prec}
+            "DROPOUT": o.dropout, "SOFTCAP": o.softcap > 0.0, "SEED_PTR": o.rng[0] is not None,
+            "INTERP": o.interp, "PREC": o.prec}
 
 
 def _aux(o: _Opts, like):
@@ -316,7 +323,7 @@ def attention_fwd(
         launcher(_fwd_kernel, q)[(num_m * B * Hq,)](
             q, k, v, out, lse, *ptrs, *rope_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *aux_strides, *rope_strides,
-            Hq, Lq, o.Lk, o.group, num_m, o.scale, o.window or 0, o.diag, float(drop_scale),
+            Hq, Lq, o.Lk, o.group, num_m, o.scale, o.window or 0, o.diag, float(drop_scale), o.softcap,
             lo, hi, olo, ohi, thr,
             **_flags(o), **rope_flags, BLOCK_M=bm, BLOCK_N=bn,
             num_warps=num_warps or warps, num_stages=num_stages or _stages(stages, q))
@@ -389,7 +396,7 @@ def attention_bwd(
         launcher(_bwd_dkdv_kernel, q)[(num_n * B * Hkv,)](
             q, k, v, do, lse, delta, q_end, dk, dv, *ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *aux_strides,
-            Hq, Hkv, Lq, Lk, o.group, num_n, o.scale, o.window or 0, o.diag, float(drop_scale), *rng,
+            Hq, Hkv, Lq, Lk, o.group, num_n, o.scale, o.window or 0, o.diag, float(drop_scale), o.softcap, *rng,
             **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps or warps, num_stages=num_stages or _stages(stages, q))
 
         bm, bn, warps, stages = _DQ_CFG[pad_d]
@@ -399,7 +406,7 @@ def attention_bwd(
         launcher(_bwd_dq_kernel, q)[(num_m * B * Hq,)](
             q, k, v, do, lse, delta, q_end, dq, *ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *aux_strides,
-            Hq, Lq, Lk, o.group, num_m, o.scale, o.window or 0, o.diag, float(drop_scale), *rng,
+            Hq, Lq, Lk, o.group, num_m, o.scale, o.window or 0, o.diag, float(drop_scale), o.softcap, *rng,
             **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=dq_num_warps or warps,
             num_stages=dq_num_stages or _stages(stages, q))
     return dq, dk, dv
