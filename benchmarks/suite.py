@@ -251,6 +251,9 @@ FAMILY_WIDTHS = {
                                    num_key_value_heads=4, head_dim=128, vocab_size=128256, tie_word_embeddings=True)),
     "gemma": ("Gemma-2B", dict(hidden_size=2048, intermediate_size=16384, num_attention_heads=8, num_key_value_heads=1,
                                head_dim=256, vocab_size=256000)),
+    "gemma2": ("Gemma-2-2B", dict(hidden_size=2304, intermediate_size=9216, num_attention_heads=8,
+                                  num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, vocab_size=256000,
+                                  sliding_window=4096)),
     "gemma3": ("Gemma-3-1B", dict(hidden_size=1152, intermediate_size=6912, num_attention_heads=4,
                                   num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512)),
     "phi3": ("Phi-3-mini", dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=32,
@@ -310,7 +313,7 @@ def family_cases(smoke):
         title = (f"{name}: the census's tiny config" if smoke else
                  f"{name}: {FAMILY_WIDTHS[name][0]} widths, {FAMILY_LAYERS}L")
         # (hf_model's smoke configs are not the census's: the config is built here either way)
-        build = hf_model(family.config, "AutoModelForCausalLM", "sdpa", False, **family_config(name, smoke))
+        build = hf_model(family.config, "AutoModelForCausalLM", family.attention, False, **family_config(name, smoke))
         for amp in (False, True):
             cases.append(ModelCase(title + (", Trainer autocast (fp32 weights)" if amp else ", bf16 weights"), build,
                                    True, batch, seq, all_ones_mask=True, autocast=amp))

@@ -56,6 +56,7 @@ class Family:
     mode_counts: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
     modes: tuple[str, ...] = MODES
     gaps: str = ""                                # what does not match yet, and the near miss that says why
+    attention: str = "sdpa"                       # the attn_implementation its users run
 
     def expected(self, mode: str) -> dict[str, int]:
         counts = expected((self.per_layer,) * LAYERS, self.once, train=True)
@@ -74,6 +75,15 @@ FAMILIES: dict[str, Family] = {
                     gaps="under the Trainer's autocast the per-head q/k RMSNorms (fp32 weight over the bf16 "
                          "projection) are not matched"),
     "smollm3": Family("SmolLM3Config", LLAMA_LAYER, LLAMA_ONCE),
+    # eager, as Gemma-2 runs: SDPA cannot soft-cap the scores. Four norms per layer (pre and post
+    # attention and MLP); the loss soft-caps its logits too
+    "gemma2": Family("Gemma2Config", {"rms_norm_residual": 4, "rope": 1, "swiglu_mlp": 1}, LLAMA_ONCE,
+                     dict(hidden_activation="gelu_pytorch_tanh", sliding_window=8, query_pre_attn_scalar=64,
+                          layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0,
+                          final_logit_softcapping=30.0),
+                     attention="eager",
+                     gaps="attention: soft-capped scores take the kernel only with attention_softcap=True (opt-in "
+                          "until measured on the GPU; fusionpass/fusions/flash_attention/cases.py checks it)"),
     "gemma": Family("GemmaConfig", LLAMA_LAYER, LLAMA_ONCE, dict(hidden_activation="gelu_pytorch_tanh")),
     "gemma3": Family("Gemma3TextConfig", {**LLAMA_LAYER, "rms_norm_residual": 6}, LLAMA_ONCE,
                      dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
@@ -128,7 +138,7 @@ def _make(family: Family, autocast: bool):
 
         kwargs = {k: v for k, v in {**TINY, **family.overrides}.items() if k not in family.drop}
         cfg = getattr(transformers, family.config)(**kwargs)
-        cfg._attn_implementation = "sdpa"
+        cfg._attn_implementation = family.attention
         model = transformers.AutoModelForCausalLM.from_config(cfg).to(device, dtype)
         ids = torch.randint(3, TINY["vocab_size"], (BATCH, SEQ), device=device)
         return TrainerLM(model, autocast), (ids, ids.clone())

@@ -1,10 +1,11 @@
 """flash_attention's benchmark topics (benchmarks/suite.py; fusionpass.bench_cases says how topics
 are found and ordered): its default and opt-in routes, then two topics of their own, sliding
-windows and head dims other than 64/128/256 (the latter with decode_attention's padded head dims)."""
+windows, head dims other than 64/128/256 (the latter with decode_attention's padded head dims)
+and soft-capped scores."""
 from __future__ import annotations
 
 from fusionpass.bench_cases import Case, attention_layers, decode_step_case
-from fusionpass.conformance.attention_layers import Bert, Bloom, DeepseekMLA, GPT2, Llama, Shape
+from fusionpass.conformance.attention_layers import Bert, Bloom, DeepseekMLA, Gemma2, GPT2, Llama, Shape
 
 ORDER = 70
 
@@ -75,8 +76,20 @@ def attention_head_dims_cases(smoke):
     ]
 
 
+def attention_softcap_cases(smoke):
+    """Gemma-2's eager attention with soft-capped scores (opt-in, attention_softcap, opened here):
+    plain compile materializes the S x S scores; a sliding-window layer and a full one at
+    Gemma-2 2B's heads (8 query, 4 kv, head dim 256) and 9B's (16, 8)."""
+
+    shapes = [Shape(1, 2, 1, 64, 256)] if smoke else [Shape(2, 8, 4, 4096, 256), Shape(4, 16, 8, 2048, 256)]
+    return [Case(f"Gemma-2 eager soft-capped attention {shape}", attention_layers(Gemma2, shape), train,
+                 ("flash_attention",), False, {"attention_softcap": True})
+            for shape in shapes for train in (True, False)]
+
+
 TOPICS = {
     "flash_attention": flash_attention_cases,
     "attention_windows": attention_windows_cases,
     "attention_head_dims": attention_head_dims_cases,
+    "attention_softcap": attention_softcap_cases,
 }
