@@ -5,7 +5,7 @@ counts, shapes) and, for the benchmarks, the same layers (`make_layers`).
 
 The attention layers are transformers 5.17's own (LlamaAttention, MistralAttention,
 BertSelfAttention, GPT2Attention, BloomAttention, MptAttention, FalconAttention, GPTJAttention,
-Gemma2Attention), built from tiny configs. A small wrapper per family prepares what its model computes once per
+Gemma2Attention, GptOssAttention), built from tiny configs. A small wrapper per family prepares what its model computes once per
 forward and hands every layer: the mask from masking_utils (materialized under torch.compile),
 rotary cos/sin from arange position ids, the ALiBi tensors of BLOOM, MPT and Falcon, the static KV
 cache of a decode step. Each wrapper runs two layers over that one mask (x = x + attn(x)), as a
@@ -221,6 +221,38 @@ class Gemma2(nn.Module):
         cos_sin = self.rotary(x, positions)
         for layer in self.layers:
             mask = masks[layer.layer_type](self.config, x, attention_mask, None, position_ids=positions)
+            x = x + layer(x, cos_sin, mask)[0]
+        return x
+
+
+class GptOss(nn.Module):
+    """GptOssAttention layers, eager (the implementation gpt-oss's attention sinks need): a learned
+    logit per query head joins each row's softmax. The first layer a sliding window of about a
+    third of the sequence, the second full, each with the mask GptOssModel builds for it."""
+
+    def __init__(self, shape: Shape, impl: str = "eager"):
+        super().__init__()
+        import transformers
+        from transformers.models.gpt_oss import modeling_gpt_oss as family
+
+        self.config = transformers.GptOssConfig(
+            hidden_size=64 * shape.hq, num_attention_heads=shape.hq, num_key_value_heads=shape.hkv, head_dim=shape.d,
+            sliding_window=shape.s // 3 | 1, num_hidden_layers=LAYERS, layer_types=["sliding_attention", "full_attention"],
+            num_local_experts=2, max_position_embeddings=4096, attention_dropout=0.0)
+        self.config._attn_implementation = impl
+        self.rotary = family.GptOssRotaryEmbedding(self.config)
+        self.layers = nn.ModuleList(family.GptOssAttention(self.config, i) for i in range(LAYERS))
+        with torch.no_grad():
+            for layer in self.layers:  # (allocated, not initialized, by the module)
+                layer.sinks.normal_()
+
+    def forward(self, x, attention_mask=None):
+        mu = _masking()
+        positions = _positions(x.shape[1], x.device)
+        masks = {"full_attention": mu.create_causal_mask, "sliding_attention": mu.create_sliding_window_causal_mask}
+        cos_sin = self.rotary(x, positions)
+        for layer, kind in zip(self.layers, self.config.layer_types):
+            mask = masks[kind](self.config, x, attention_mask, None, position_ids=positions)
             x = x + layer(x, cos_sin, mask)[0]
         return x
 

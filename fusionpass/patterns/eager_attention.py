@@ -62,12 +62,13 @@ def _arg(node: fx.Node, i: int, name: str, default=None):
 
 def is_anchor(node) -> bool:
     """The probabilities-times-values product that ends an eager attention: a bmm or matmul whose
-    left operand is a softmax over the last dim (through views, a dropout and casts)."""
+    left operand is a softmax over the last dim (through views, a dropout, casts and gpt-oss's
+    dropped sink column)."""
     if not (g.is_call(node, _MATMULS + _BMMS) and len(node.args) == 2):
         return False
     x = node.args[0]
-    for _ in range(4):
-        if g.is_call(x, g.VIEWS) or dp.dropout_args(x) is not None:
+    for _ in range(5):
+        if g.is_call(x, g.VIEWS) or dp.dropout_args(x) is not None or _without_last_column(x) is not None:
             x = g.first_arg(x)
         elif g.cast_source(x) is not None:
             x = g.cast_source(x)
@@ -127,6 +128,8 @@ class Eager:
         self.mask_bias: fx.Node | None = None
         # Gemma-2 caps the scaled scores, c * tanh(s / c), before adding the mask (0: no cap)
         self.softcap = 0.0
+        # gpt-oss's attention sinks: the [H] logits that join the softmax as a last column
+        self.sinks: fx.Node | None = None
 
 
 def _single_use(node: fx.Node, user: fx.Node) -> None:
@@ -334,6 +337,60 @@ def insert_per_key(graph: fx.Graph, bias: fx.Node, before: fx.Node) -> fx.Node:
     return out
 
 
+_ALL_BUT_LAST = (Ellipsis, slice(None, -1, None))
+
+
+def _without_last_column(node) -> fx.Node | None:
+    """x for `x[..., :-1]` (gpt-oss drops its sinks' column from the probabilities)."""
+    if g.is_call(node, (operator.getitem,)) and len(node.args) == 2 and node.args[1] == _ALL_BUT_LAST:
+        return node.args[0]
+    return None
+
+
+def _max_values(node, of: fx.Node) -> bool:
+    """node is `of.max(dim=-1, keepdim=True).values` (a getitem 0 of the max in Dynamo's graph)."""
+    if not (g.is_call(node, (operator.getitem,)) and node.args[1:] == (0,)):
+        return False
+    m = node.args[0]
+    dim, keepdim = _arg(m, 1, "dim"), _arg(m, 2, "keepdim", False)
+    return g.is_call(m, ("max", torch.max)) and g.first_arg(m) is of and dim in (-1, 3) and keepdim is True
+
+
+def _per_head_column(node, heads: int) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(src, nodes) where node [B, H, Lq, 1] is a 1-D src [H] reshaped to [1, H, 1, 1] and
+    expanded (gpt-oss's `sinks.reshape(1, -1, 1, 1).expand(B, -1, Lq, -1)`): node[b, h, i, 0] =
+    src[h]."""
+    nodes = []
+    while g.is_call(node, ("expand", *g.VIEWS)):
+        nodes.append(node)
+        node = g.first_arg(node)
+    t = g.tensor(node)
+    if not nodes or t is None or t.dim() != 1 or not _same(tuple(t.shape), (heads,)):
+        return None
+    if any(len(_shape(n) or ()) != 4 or not _same(_shape(n)[1:2], (heads,)) or _shape(n)[3] != 1 for n in nodes):
+        return None
+    return node, nodes
+
+
+def _sink_logits(node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """(scores, sinks [H], nodes) for gpt-oss's softmax input, `cat([scores, sinks_column], -1)`
+    less its row maximum (the shift softmax ignores), else None."""
+    nodes = []
+    if g.op(node) == "sub" and g.binary_operands(node) is not None:
+        combined, m = node.args
+        if not _max_values(m, combined):
+            return None
+        nodes += [node, m, m.args[0]]
+        node = combined
+    if not (g.is_call(node, (torch.cat,)) and _arg(node, 1, "dim") in (-1, 3) and len(node.args[0]) == 2):
+        return None
+    scores, column = node.args[0]
+    found = _per_head_column(column, (_shape(scores) or (0, 0))[1])
+    if found is None:
+        return None
+    return scores, found[0], [*nodes, node, *found[1]]
+
+
 def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
     """Read the eager attention ending at `anchor` (probs @ v). Returns (Eager, SDPA-like args), None
     when it is not one, NearMiss when it is one this route cannot take."""
@@ -374,6 +431,11 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
             e.dropout_p = d.p
         user, node = node, d.x
     user, node = _through_casts(e, node, user)
+    sliced = _without_last_column(node)
+    if sliced is not None:  # gpt-oss: the sinks' column dropped after the softmax
+        _single_use(node, user)
+        e.nodes.append(node)
+        user, node = node, sliced
     if not g.is_call(node, _SOFTMAXES):
         return None
     dim = _arg(node, 1, "dim")
@@ -385,6 +447,18 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
     if why is not None:
         raise NearMiss(why)
     user, node = node, g.first_arg(node)
+    if sliced is not None:
+        found = _sink_logits(node)
+        if found is None:
+            raise NearMiss("probabilities without their last column, over scores that are not [scores, a logit "
+                           "per head] (gpt-oss's attention sinks)")
+        scores, e.sinks, sink_nodes = found
+        inside = {*sink_nodes, user}
+        for n in sink_nodes:
+            if any(u not in inside for u in n.users):
+                raise NearMiss(f"{n.name} is also read outside the attention")
+        e.nodes += sink_nodes
+        user, node = next(n for n in sink_nodes if g.is_call(n, (torch.cat,))), scores
 
     # casts of the scores (MPT's `.float()`), then the mask (added, or a masked_fill) and a per-key
     # bias added to the scaled scores (MPT's ALiBi), in either order

@@ -17,6 +17,7 @@ from fusionpass.kernels.attention import (
     attention_dropout_constants,
     attention_dropout_mask,
     attention_fwd,
+    attention_sinks_grad,
 )
 from fusionpass.fusions.layer_norm_dropout_residual.kernels import dropout_mask
 from fusionpass.ops import host
@@ -54,11 +55,12 @@ def keep_prob(p):
 
 def reference(q, k, v, do, *, causal=False, scale=None, window=None, alibi_slopes=None, alibi_symmetric=False,
               key_padding=None, key_bias=None, kv_lengths=None, dropout_p=0.0, mask=None, align="top_left",
-              diagonal=0, segments=None, softcap=0.0):
+              diagonal=0, segments=None, softcap=0.0, sinks=None):
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     g = Hq // Hkv
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    sinks64 = None if sinks is None else sinks.detach().double().requires_grad_()
     kk, vv = k64.repeat_interleave(g, dim=1), v64.repeat_interleave(g, dim=1)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     s = (q64 @ kk.transpose(-1, -2)) * scale
@@ -88,7 +90,13 @@ def reference(q, k, v, do, *, causal=False, scale=None, window=None, alibi_slope
     vis = vis.expand(B, Hq, Lq, Lk)
     empty = ~vis.any(-1)
     s = s.masked_fill(~vis, -math.inf)
-    lse = torch.logsumexp(s.masked_fill(empty[..., None], 0.0), -1)  # finite: no NaN gradients
+    if sinks64 is not None:
+        # the sink joins the denominator (a last column of scores with no value): no row is empty
+        sink_col = sinks64[None, :, None, None].expand(B, Hq, Lq, 1)
+        lse = torch.logsumexp(torch.cat([s, sink_col], -1), -1)
+        empty = torch.zeros_like(empty)
+    else:
+        lse = torch.logsumexp(s.masked_fill(empty[..., None], 0.0), -1)  # finite: no NaN gradients
     p = torch.exp(s - lse[..., None])
     if dropout_p > 0:
         p = p * mask.double() / keep_prob(dropout_p)
@@ -103,7 +111,8 @@ def reference(q, k, v, do, *, causal=False, scale=None, window=None, alibi_slope
         dq_scale = (scale * ds_abs @ kk.abs()).max().item()
         dk_scale = g * (scale * ds_abs.transpose(-1, -2) @ q64.abs()).max().item()
     return {"out": out.detach(), "lse": lse.detach().masked_fill(empty, EMPTY_LSE), "empty": empty, "vis": vis,
-            "dq": q64.grad, "dk": k64.grad, "dv": v64.grad, "dq_scale": dq_scale, "dk_scale": dk_scale}
+            "dq": q64.grad, "dk": k64.grad, "dv": v64.grad, "dq_scale": dq_scale, "dk_scale": dk_scale,
+            "dsinks": None if sinks64 is None else sinks64.grad}
 
 
 def assert_close(out, ref, dtype, what, tol=None, scale=0.0):
@@ -121,14 +130,18 @@ def run_and_check(q, k, v, *, do=None, blocks=SMALL, tol=None, **opts):
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
     fwd_blocks = {key: val for key, val in blocks.items() if not key.startswith("dq_")}
-    out, lse = attention_fwd(q, k, v, **opts, **fwd_blocks)
+    sinks = opts.pop("sinks", None)
+    out, lse = attention_fwd(q, k, v, **opts, sinks=sinks, **fwd_blocks)
     if do is None:
         do = rnd(out.shape, dt)
     dq, dk, dv = attention_bwd(do, q, k, v, out, lse, **opts, **blocks)
     p = opts.get("dropout_p", 0.0)
     mask = attention_dropout_mask(B, Hq, Lq, Lk, p, opts["seed"], opts.get("offset", 0)) if p > 0 else None
     ref_opts = {key: val for key, val in opts.items() if key not in ("seed", "offset")}
-    ref = reference(q, k, v, do, mask=mask, **ref_opts)
+    ref = reference(q, k, v, do, mask=mask, sinks=sinks, **ref_opts)
+    if sinks is not None:
+        dsinks = attention_sinks_grad(do, out, lse, sinks)
+        torch.testing.assert_close(dsinks.double(), ref["dsinks"], rtol=TOL[dt], atol=TOL[dt] * ref["dsinks"].abs().max())
 
     assert out.shape == (B, Hq, Lq, D) and out.is_contiguous()
     assert lse.shape == (B, Hq, Lq) and lse.dtype == F32
@@ -233,6 +246,12 @@ CASES = {
     "softcap3-alibi-bf16": (2, 4, 2, 33, 33, 64, BF16, {"causal": True, "alibi": True, "softcap": 3.0}, BN32),
     "softcap-keybias-f32-br": (2, 4, 1, 17, 33, 128, F32, {"causal": True, "align": "bottom_right",
                                                             "key_bias": (2, 4, F32), "softcap": 1.5}, SMALL),
+    # gpt-oss's attention sinks: causal and windowed, GQA, with padding (a row that sees no key
+    # attends to its sink alone) and dropout
+    "sinks-causal-f32-gqa4": (2, 8, 2, 33, 33, 64, F32, {"causal": True, "sinks": True}, SMALL),
+    "sinks-window-bf16": (2, 4, 1, 33, 33, 64, BF16, {"causal": True, "window": 9, "sinks": True}, BN32),
+    "sinks-pad-f16-d128": (3, 4, 2, 17, 33, 128, F16, {"pad": "mask", "sinks": True}, SMALL),
+    "sinks-drop-f32": (2, 4, 2, 33, 33, 64, F32, {"causal": True, "dropout_p": 0.1, "sinks": True}, BM32),
     "softcap-drop-f32-bm32": (2, 4, 2, 33, 33, 64, F32, {"causal": True, "dropout_p": 0.1, "softcap": 1.5,
                                                           "scale": 0.4}, BM32),
 }
@@ -257,6 +276,9 @@ def _options(B, Hq, Lk, opts):
     if pad in ("lengths", "both"):
         lens = [Lk, Lk // 3, 0] if pad == "lengths" else [Lk, 0, Lk - 4]
         opts["kv_lengths"] = torch.tensor(lens[:B], dtype=torch.int32)
+    if opts.pop("sinks", False):
+        # gpt-oss's learned logits per head, around the scores' size
+        opts["sinks"] = torch.randn(Hq, dtype=torch.float64).to(F32)
     if opts.get("dropout_p", 0) > 0:
         opts["seed"] = torch.tensor([SEED], dtype=torch.int64) if opts.pop("seed_tensor", False) else SEED
     return opts

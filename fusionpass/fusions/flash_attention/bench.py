@@ -1,11 +1,11 @@
 """flash_attention's benchmark topics (benchmarks/suite.py; fusionpass.bench_cases says how topics
 are found and ordered): its default and opt-in routes, then two topics of their own, sliding
 windows, head dims other than 64/128/256 (the latter with decode_attention's padded head dims)
-and soft-capped scores."""
+and the opt-in eager forms (soft-capped scores, attention sinks)."""
 from __future__ import annotations
 
 from fusionpass.bench_cases import Case, attention_layers, decode_step_case
-from fusionpass.conformance.attention_layers import Bert, Bloom, DeepseekMLA, Gemma2, GPT2, Llama, Shape
+from fusionpass.conformance.attention_layers import Bert, Bloom, DeepseekMLA, Gemma2, GPT2, GptOss, Llama, Shape
 
 ORDER = 70
 
@@ -76,20 +76,25 @@ def attention_head_dims_cases(smoke):
     ]
 
 
-def attention_softcap_cases(smoke):
-    """Gemma-2's eager attention with soft-capped scores (opt-in, attention_softcap, opened here):
-    plain compile materializes the S x S scores; a sliding-window layer and a full one at
-    Gemma-2 2B's heads (8 query, 4 kv, head dim 256) and 9B's (16, 8)."""
+def attention_eager_forms_cases(smoke):
+    """The eager forms each behind its opt-in setting until measured (opened here); plain compile
+    materializes the S x S scores. Gemma-2's soft-capped scores at 2B's heads (8 query, 4 kv, head
+    dim 256) and 9B's (16, 8); gpt-oss's attention sinks at 20B's (64, 8, head dim 64). Each model
+    a sliding-window layer and a full one."""
 
-    shapes = [Shape(1, 2, 1, 64, 256)] if smoke else [Shape(2, 8, 4, 4096, 256), Shape(4, 16, 8, 2048, 256)]
-    return [Case(f"Gemma-2 eager soft-capped attention {shape}", attention_layers(Gemma2, shape), train,
-                 ("flash_attention",), False, {"attention_softcap": True})
-            for shape in shapes for train in (True, False)]
+    gemma = [Shape(1, 2, 1, 64, 256)] if smoke else [Shape(2, 8, 4, 4096, 256), Shape(4, 16, 8, 2048, 256)]
+    gpt_oss = [Shape(1, 4, 2, 64, 64)] if smoke else [Shape(2, 64, 8, 4096, 64)]
+    return [
+        *(Case(f"Gemma-2 eager soft-capped attention {shape}", attention_layers(Gemma2, shape), train,
+               ("flash_attention",), False, {"attention_softcap": True}) for shape in gemma for train in (True, False)),
+        *(Case(f"gpt-oss eager attention with sinks {shape}", attention_layers(GptOss, shape), train,
+               ("flash_attention",), False, {"attention_sinks": True}) for shape in gpt_oss for train in (True, False)),
+    ]
 
 
 TOPICS = {
     "flash_attention": flash_attention_cases,
     "attention_windows": attention_windows_cases,
     "attention_head_dims": attention_head_dims_cases,
-    "attention_softcap": attention_softcap_cases,
+    "attention_eager_forms": attention_eager_forms_cases,
 }

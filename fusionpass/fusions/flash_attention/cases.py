@@ -14,7 +14,7 @@ import torch
 from fusionpass.conformance import Case
 from fusionpass.conformance.attention_layers import (
     F77, G1000, G1000_128, G333_256, G513, G77, GP1000, GP513, GP77, GPD256, GPT2, KERNEL, LAYERS, M1000,
-    M513, M77, MP1000, MP513, MP77, Bert, Bloom, DeepseekMLA, Falcon, Gemma2, Llama, Mpt, PackedLlama,
+    M513, M77, MP1000, MP513, MP77, Bert, Bloom, DeepseekMLA, Falcon, Gemma2, GptOss, Llama, Mpt, PackedLlama,
     Shape, always, kernel_counts, layer_cases,
 )
 from fusionpass.conformance.builders import BF16, FP16, FP32
@@ -22,6 +22,7 @@ from fusionpass.conformance.builders import BF16, FP16, FP32
 
 CUDNN_PADDING = {"attention_cudnn_padding": True}  # fusionpass::padded_attention (opt-in)
 SOFTCAP = {"attention_softcap": True}  # soft-capped scores (opt-in until measured)
+SINKS = {"attention_sinks": True}  # attention sinks (opt-in until measured)
 
 
 def _cudnn_route(train: bool, shape: Shape, dtype) -> dict:
@@ -70,6 +71,15 @@ CASES = [
     *[dataclasses.replace(c, near_miss="attention_softcap=True")
       for c in layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-default", Gemma2,
                            always(rope=LAYERS), [(BF16, GPD256, True, None)])],
+    # gpt-oss's attention sinks (its head dim 64; GQA; a sliding-window layer and a full one), the
+    # sinks' gradient checked with every parameter's
+    *layer_cases("flash_attention", "eager_sinks_kernel", "gpt-oss-eager", GptOss, kernel_counts(), [
+        (BF16, G77, True, None), (FP16, Shape(2, 8, 2, 513, 64), True, None), (BF16, G1000, False, None),
+        (BF16, Shape(1, 8, 1, 333, 128), True, None), (FP32, G77, True, None),
+    ], SINKS),
+    *[dataclasses.replace(c, near_miss="attention_sinks=True")
+      for c in layer_cases("flash_attention", "eager_sinks_kernel", "gpt-oss-eager-default", GptOss,
+                           always(), [(BF16, G77, True, None)])],
     *layer_cases("flash_attention", "eager_alibi_kernel", "bloom-eager", Bloom, kernel_counts(), [
         (BF16, M77, True, None), (FP16, M513, False, None), (BF16, Shape(2, 12, 12, 1000, 80), True, None),
         (FP32, Shape(2, 12, 12, 1000, 80), True, None),

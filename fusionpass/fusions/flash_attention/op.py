@@ -2,7 +2,8 @@
 custom ops (CPU), autograd.
 
     out, lse = flash_attention(q, k, v, key_padding=None, key_bias=None, seed=None,
-                               rope_cos=None, rope_sin=None, segments=None, *, scale, causal=False, window=0,
+                               rope_cos=None, rope_sin=None, segments=None, sinks=None, *, scale, causal=False,
+                               window=0,
                                align_bottom_right=False, diagonal=0, dropout_p=0.0, token_major=False,
                                rope_form="", rotary_dim=0, softcap=0.0)
 
@@ -20,7 +21,8 @@ window 2w + 1 at diagonal w),
 segments [B, L] integer (Lq == Lk == L) or None: key j is visible to query i only where
 segments[b, i] == segments[b, j] (packed sequences; each row nondecreasing),
 dropout_p > 0 needs `seed` (a one-element int64 tensor), softcap c > 0 caps the scaled scores at
-c * tanh(s / c) before any bias or mask (Gemma-2). The math, the RNG and the rows that see
+c * tanh(s / c) before any bias or mask (Gemma-2), sinks [Hq] float (the one optional tensor that
+takes a gradient) joins every row's softmax denominator as a logit with no value (gpt-oss). The math, the RNG and the rows that see
 no key (out 0, lse EMPTY_LSE) are those of fusionpass/kernels/attention.
 
 Output layout: `out` is [B, Hq, Lq, D]; contiguous by default, or with `token_major=True` laid out
@@ -104,7 +106,7 @@ def _rope(rope_cos, rope_sin, rope_form, rotary_dim):
 
 
 def _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p,
-                    seed, segments=None, token_major=False, rope=None, blocks=None, softcap=0.0):
+                    seed, segments=None, token_major=False, rope=None, blocks=None, softcap=0.0, sinks=None):
     from fusionpass.kernels.attention import attention_fwd
 
     opts = _options(key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
@@ -112,7 +114,7 @@ def _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align
     blocks = {k_: v_ for k_, v_ in (blocks or {}).items() if k_ in ("block_m", "block_n")}
     # the kernel writes any [B, Hq, Lq, D] view: token-major output costs nothing extra
     out = token_major_empty(q) if token_major else None
-    return attention_fwd(q, k, v, **opts, out=out, rope=rope, **blocks)
+    return attention_fwd(q, k, v, **opts, out=out, rope=rope, sinks=sinks, **blocks)
 
 
 def _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
@@ -146,7 +148,7 @@ def visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, device, 
 
 
 def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
-               segments=None, softcap=0.0):
+               segments=None, softcap=0.0, sinks=None):
     from fusionpass.kernels.attention import EMPTY_LSE, attention_dropout_constants
     from fusionpass.fusions.layer_norm_dropout_residual.op import philox_keep16
 
@@ -162,7 +164,11 @@ def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bott
         s = s + key_bias.float().expand(B, Hq, Lk)[:, :, None, :]
     vis = visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, q.device, diagonal, segments)
     s = s.masked_fill(~vis, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
+    if sinks is not None:
+        # the sink's column joins the denominator and brings no value
+        lse = torch.logsumexp(torch.cat([s, sinks.float()[None, :, None, None].expand(B, Hq, Lq, 1)], -1), dim=-1)
+    else:
+        lse = torch.logsumexp(s, dim=-1)
     empty = torch.isneginf(lse)
     lse = torch.where(empty, torch.full_like(lse, EMPTY_LSE), lse)
     p = torch.exp(s - lse[..., None])
@@ -194,7 +200,7 @@ def _reference_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, cau
 def _forward_host(
     q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None = None, key_bias: Tensor | None = None,
     seed: Tensor | None = None, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None,
-    segments: Tensor | None = None, *, scale: float,
+    segments: Tensor | None = None, sinks: Tensor | None = None, *, scale: float,
     causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
     dropout_p: float = 0.0, token_major: bool = False, rope_form: str = "", rotary_dim: int = 0,
     softcap: float = 0.0,
@@ -203,13 +209,14 @@ def _forward_host(
             segments)
     rope = _rope(rope_cos, rope_sin, rope_form, rotary_dim)
     if host.interpreting():
-        out, lse = _kernel_forward(*args, token_major=token_major, rope=rope, blocks=CPU_BLOCKS, softcap=softcap)
+        out, lse = _kernel_forward(*args, token_major=token_major, rope=rope, blocks=CPU_BLOCKS, softcap=softcap,
+                                   sinks=sinks)
     else:
         if rope is not None:
             from fusionpass.fusions.rope.op import reference as rotate
 
             args = (rotate(q, rope_cos, rope_sin, rope_form, rotary_dim, False), *args[1:])
-        out, lse = _reference(*args, softcap=softcap)
+        out, lse = _reference(*args, softcap=softcap, sinks=sinks)
         out = token_major_empty(q).copy_(out) if token_major else out.contiguous()
     return out, lse.contiguous()
 
@@ -249,7 +256,7 @@ def _(do, q, k, v, out, lse, *_tensors, **_options):
 def flash_attention(
     q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor | None = None, key_bias: Tensor | None = None,
     seed: Tensor | None = None, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None,
-    segments: Tensor | None = None, *, scale: float,
+    segments: Tensor | None = None, sinks: Tensor | None = None, *, scale: float,
     causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
     dropout_p: float = 0.0, token_major: bool = False, rope_form: str = "", rotary_dim: int = 0,
     softcap: float = 0.0,
@@ -260,10 +267,10 @@ def flash_attention(
                    segments=segments, softcap=softcap)
     rope = dict(rope_cos=rope_cos, rope_sin=rope_sin, rope_form=rope_form, rotary_dim=rotary_dim)
     if q.device.type != "cuda":
-        return _forward_host(q, k, v, **options, token_major=token_major, **rope)
+        return _forward_host(q, k, v, **options, sinks=sinks, token_major=token_major, **rope)
     return _kernel_forward(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
                            dropout_p, seed, segments, token_major=token_major,
-                           rope=_rope(rope_cos, rope_sin, rope_form, rotary_dim), softcap=softcap)
+                           rope=_rope(rope_cos, rope_sin, rope_form, rotary_dim), softcap=softcap, sinks=sinks)
 
 
 @torch.library.triton_op("fusionpass::flash_attention_backward", mutates_args=())
@@ -283,12 +290,12 @@ def flash_attention_backward(
 
 
 def _setup(ctx, inputs, keyword_only_inputs, output):
-    q, k, v, key_padding, key_bias, seed, rope_cos, rope_sin, segments = inputs
+    q, k, v, key_padding, key_bias, seed, rope_cos, rope_sin, segments, sinks = inputs
     for what, t in (("key_bias", key_bias), ("RoPE cos/sin", rope_cos), ("RoPE cos/sin", rope_sin)):
         if t is not None and t.requires_grad:
             raise RuntimeError(f"fusionpass::flash_attention does not differentiate its {what}")
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin, segments)
+    ctx.save_for_backward(q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin, segments, sinks)
     kw = keyword_only_inputs
     ctx.flags = {n: kw[n] for n in ("scale", "causal", "window", "align_bottom_right", "diagonal", "dropout_p",
                                             "softcap")
@@ -299,8 +306,8 @@ def _setup(ctx, inputs, keyword_only_inputs, output):
 
 def _backward(ctx, dout, _dlse):
     if dout is None:
-        return (None,) * 9
-    q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin, segments = ctx.saved_tensors
+        return (None,) * 10
+    q, k, v, out, lse, key_padding, key_bias, seed, rope_cos, rope_sin, segments, sinks = ctx.saved_tensors
     form, rotary_dim = ctx.rope
     if rope_cos is not None:
         # the forward rotated q as it loaded it; the backward kernels read the rotated q, made
@@ -313,7 +320,12 @@ def _backward(ctx, dout, _dlse):
     if rope_cos is not None:
         dq = torch.ops.fusionpass.rope_backward(dq, None, rope_cos, rope_sin, form=form, rotary_dim=rotary_dim)[0]
     # out (saved) and dout may be token-major or otherwise strided: the kernels read their strides
-    return dq, dk, dv, *(None,) * 6
+    dsinks = None
+    if sinks is not None:
+        from fusionpass.kernels.attention import attention_sinks_grad
+
+        dsinks = attention_sinks_grad(dout, out, lse, sinks)
+    return dq, dk, dv, *(None,) * 6, dsinks
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup)

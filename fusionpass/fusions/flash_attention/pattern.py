@@ -133,8 +133,13 @@ def _eager_search(node: fx.Node) -> Match | None:
     grouped = sdpa.grouped_kv(args)
     if grouped is not None:
         key, value, _ = grouped
-    variant = "eager_softcap_kernel" if e.softcap else "eager_alibi_mask_kernel" if e.mask_bias is not None else (
-        "eager_alibi_kernel" if biased else "eager_kernel")
+    if e.softcap and e.sinks is not None:
+        raise NearMiss("soft-capped scores and attention sinks together (no conformance case covers both)")
+    if e.softcap or e.sinks is not None:
+        variant = "eager_sinks_kernel" if e.sinks is not None else "eager_softcap_kernel"
+    else:
+        variant = "eager_alibi_mask_kernel" if e.mask_bias is not None else (
+            "eager_alibi_kernel" if biased else "eager_kernel")
     return Match(
         variant=variant,
         anchor=node,
@@ -368,6 +373,8 @@ def replace_with_kernel(graph: fx.Graph, m: Match, cfg) -> None:
                    diagonal=b["shift"] if band else 0, dropout_p=p, seed=seed, segments=b.get("segments"))
     if e is not None and e.softcap:
         options["softcap"] = e.softcap
+    if e is not None and e.sinks is not None:
+        options["sinks"] = e.sinks
     value = b["value"]
     dv = g.static_int(g.tensor(value).shape[-1])
     if dv != d:
@@ -449,6 +456,14 @@ def _softcap_off(cfg) -> bool:
     return not _softcap_on(cfg)
 
 
+def _sinks_on(cfg) -> bool:
+    return cfg.attention_sinks
+
+
+def _sinks_off(cfg) -> bool:
+    return not _sinks_on(cfg)
+
+
 def _sliding_window_off(cfg) -> bool:
     return not _sliding_window_on(cfg)
 
@@ -510,6 +525,9 @@ class Options:
     # the kernel's numerics are checked (the conformance cases of fusionpass/fusions/flash_attention).
     softcap: bool = option(False, "eager-math attention whose scaled scores are soft-capped, c * tanh(s / c) "
                                   "(Gemma-2's attn_logit_softcapping) -> fusionpass::flash_attention with softcap")
+    # Off until measured on the GPU against plain compile's S x S scores (gpt-oss's eager attention).
+    sinks: bool = option(False, "eager-math attention whose softmax takes a learned logit per head as a last "
+                                "column (gpt-oss's attention sinks) -> fusionpass::flash_attention with sinks")
     cudnn_padding: bool = option(False, "causal or all-true masks with run-time key padding over square scores "
                                         "-> fusionpass::padded_attention: cuDNN's padding mask for rows whose "
                                         "keys are a prefix, our kernel for the others")
@@ -578,11 +596,24 @@ SOFTCAP_OPT_IN = ("soft-capped attention scores: the kernel's softcap route is n
                   "opt-in (attention_softcap=True / FUSIONPASS_ATTENTION_SOFTCAP=1)")
 
 
+SINKS_OPT_IN = ("attention sinks: the kernel's sinks route is not yet measured on the GPU, opt-in "
+                "(attention_sinks=True / FUSIONPASS_ATTENTION_SINKS=1)")
+
+
 def _softcap_opt_in(node: fx.Node) -> Match | None:
-    """With the softcap route off: eager attention with soft-capped scores, a near miss that names
-    the setting."""
-    if _eager_search(node) is not None and eager.describe(node)[0].softcap:
+    """With the softcap route off: eager attention with soft-capped scores (and no sinks), a near
+    miss that names the setting."""
+    found = _eager_search(node)
+    if found is not None and found.variant == "eager_softcap_kernel":
         raise NearMiss(SOFTCAP_OPT_IN)
+    return None
+
+
+def _sinks_opt_in(node: fx.Node) -> Match | None:
+    """With the sinks route off: eager attention with sinks, a near miss that names the setting."""
+    found = _eager_search(node)
+    if found is not None and found.variant == "eager_sinks_kernel":
+        raise NearMiss(SINKS_OPT_IN)
     return None
 
 
@@ -624,6 +655,8 @@ FLASH_ATTENTION = registry.register(
             Variant("eager_alibi_kernel", _only(_eager_search, "eager_alibi_kernel")),
             Variant("eager_softcap_kernel", _only(_eager_search, "eager_softcap_kernel"), when=_softcap_on),
             Variant("eager_softcap_opt_in", _softcap_opt_in, when=_softcap_off, reports_only=True),
+            Variant("eager_sinks_kernel", _only(_eager_search, "eager_sinks_kernel"), when=_sinks_on),
+            Variant("eager_sinks_opt_in", _sinks_opt_in, when=_sinks_off, reports_only=True),
             # Falcon's eager form with ALiBi in scores and mask: only its fp32 form reaches this (in
             # bf16/fp16 it upcasts its scores after viewing them, which the search does not
             # follow), and kernel_dtypes keeps fp32 out on CUDA

@@ -105,8 +105,9 @@ from fusionpass.kernels.attention.host import (
     attention_dropout_constants,
     attention_dropout_mask,
     attention_fwd,
+    attention_sinks_grad,
     check_qkv,
 )
 
 __all__ = ["EMPTY_LSE", "HEAD_DIMS", "attention_bwd", "attention_dropout_constants", "attention_dropout_mask",
-           "attention_fwd", "check_qkv"]
+           "attention_fwd", "attention_sinks_grad", "check_qkv"]

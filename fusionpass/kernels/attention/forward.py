@@ -13,6 +13,7 @@ from fusionpass.kernels.attention.blocks import (
     _key_block_kept,
     _key_ranges,
     _LN2,
+    _LOG2E,
     _load,
     _load_kv,
     _mm_operand,
@@ -118,7 +119,7 @@ def _rope_q(q, q_base, cos_base, sin_base, offs_m, offs_d, row_ok, sqm, sqd, scm
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _fwd_kernel(
-    Q, K, V, O, LSE, SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI, COS, SIN,
+    Q, K, V, O, LSE, SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI, COS, SIN, SINKS,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, skpb, skpn,
     skbb, skbh, skbn, scb, sch, scm, scd, ssb, ssh, ssm, ssd,
     Hq, Lq, Lk, GROUP, num_m, qk_scale, window, diag, drop_scale, softcap,
@@ -129,6 +130,7 @@ def _fwd_kernel(
     HAS_SEG: tl.constexpr,
     DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, SEED_PTR: tl.constexpr, INTERP: tl.constexpr,
     PREC: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr, ROPE_HALVES: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     DT: tl.constexpr = Q.dtype.element_ty
     EVEN_D: tl.constexpr = D == BLOCK_D
@@ -186,6 +188,15 @@ def _fwd_kernel(
         CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT, SOFTCAP, True, EVEN_D, DT, INTERP,
         PREC, BLOCK_M, BLOCK_N)
 
+    if HAS_SINKS:
+        # a logit per head that joins every row's softmax denominator and brings no value
+        # (gpt-oss): a row that sees no key attends to its sink alone, out 0 and lse the sink
+        sink2 = tl.load(SINKS + h) * _LOG2E
+        m_new = tl.maximum(m_i, sink2)
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.math.exp2(sink2 - m_new)
+        m_i = m_new
     empty = l_i == 0.0  # (a row with a visible key has l >= 1: its maximum contributes exp2(0))
     l_safe = tl.where(empty, 1.0, l_i)
     if DROPOUT:

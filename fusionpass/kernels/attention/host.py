@@ -272,6 +272,7 @@ def attention_fwd(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     rope: tuple | None = None,
+    sinks: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -291,11 +292,19 @@ def attention_fwd(
     rope: (cos, sin, form, rotary_dim): q is rotated as it is loaded (`_rope_q`; the rotated q is
     never written), `q * cos + rot(q) * sin` of fusionpass.kernels.rope with form "rotate_half" or
     "interleaved"; cos/sin 4-d, last dim rotary_dim, broadcastable to [B, Hq, Lq, rotary_dim].
+    sinks: [Hq] float, a logit per query head that joins every row's softmax denominator and
+    brings no value (gpt-oss's attention sinks): lse includes it, so `attention_bwd` needs no
+    argument for it (the gradient of the sinks is -sum over rows of exp(sink - lse) * rowsum(dout
+    * out), which the caller forms); a row that sees no key gets out 0 and lse the sink.
     block_m/block_n/num_warps/num_stages override the launch defaults (_FWD_CFG); results do not
     depend on them beyond fp32 summation order.
     """
     o = check_options(q, k, v, **options)
     B, Hq, Lq, D = o.B, o.Hq, o.Lq, o.D
+    if sinks is not None:
+        if sinks.shape != (Hq,) or not sinks.is_floating_point() or sinks.device != q.device:
+            raise ValueError(f"sinks must be a float tensor of shape [{Hq}] on q's device")
+        sinks = sinks.detach().to(torch.float32).contiguous()
     if o.skips and (out is None or lse is None):
         raise ValueError("skip_batches needs out and lse: the skipped rows keep what they hold")
     if out is None:
@@ -321,11 +330,11 @@ def attention_fwd(
     _, lo, hi, olo, ohi, thr, drop_scale = o.rng
     with _device_guard(q.device):
         launcher(_fwd_kernel, q)[(num_m * B * Hq,)](
-            q, k, v, out, lse, *ptrs, *rope_ptrs,
+            q, k, v, out, lse, *ptrs, *rope_ptrs, sinks if sinks is not None else absent(q),
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *aux_strides, *rope_strides,
             Hq, Lq, o.Lk, o.group, num_m, o.scale, o.window or 0, o.diag, float(drop_scale), o.softcap,
             lo, hi, olo, ohi, thr,
-            **_flags(o), **rope_flags, BLOCK_M=bm, BLOCK_N=bn,
+            **_flags(o), **rope_flags, HAS_SINKS=sinks is not None, BLOCK_M=bm, BLOCK_N=bn,
             num_warps=num_warps or warps, num_stages=num_stages or _stages(stages, q))
     return out, lse
 
@@ -410,6 +419,16 @@ def attention_bwd(
             **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=dq_num_warps or warps,
             num_stages=dq_num_stages or _stages(stages, q))
     return dq, dk, dv
+
+
+def attention_sinks_grad(do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The gradient of `attention_fwd`'s sinks [Hq]: the sink's probability in each row,
+    exp(sink - lse), times its dP - D with dP = 0 (it brings no value) and D = rowsum(dout * out),
+    summed over the batch and the rows; in the sinks' dtype (with dropout too: D = rowsum(dout *
+    out) is the sum of P Z dP over the kept values either way)."""
+    delta = (do.float() * out.float()).sum(-1)
+    p_sink = torch.exp(sinks.float()[None, :, None] - lse)
+    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
 
 
 def attention_dropout_constants(p: float) -> tuple[int, float]:
