@@ -169,3 +169,43 @@ def test_bloom_dropout_statistics():
     plain_mean = sum(losses["plain"]) / 8
     assert len(set(losses["fused"])) == 8, "every call draws a new mask"
     assert abs(fused_mean - plain_mean) < 0.05 * abs(plain_mean)
+
+
+def gemma2(layers=2):
+    """Gemma-2: soft-capped scores (a cap the scores reach: 2), a sliding-window layer and a full one."""
+    config = transformers.Gemma2Config(vocab_size=96, hidden_size=HEADS * HEAD_DIM, intermediate_size=64,
+                                       num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=1,
+                                       head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, attn_logit_softcapping=2.0,
+                                       final_logit_softcapping=None, sliding_window=4,
+                                       layer_types=["sliding_attention", "full_attention"][:layers])
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(config)
+
+
+def gpt_oss():
+    """gpt-oss's attention layers with sinks (the conformance suite's: its MoE experts' grouped_mm
+    fallback does not compile in training on the CPU, and is not this fusion's)."""
+    from fusionpass.conformance.attention_layers import GptOss, Shape
+
+    torch.manual_seed(0)
+    return GptOss(Shape(B, HEADS, 1, S, HEAD_DIM))
+
+
+@pytest.mark.parametrize("family, variant, setting", [
+    (gemma2, "eager_softcap_kernel", "attention_softcap"), (gpt_oss, "eager_sinks_kernel", "attention_sinks")])
+def test_opt_in_eager_forms(family, variant, setting):
+    # off by default, a near miss naming the setting; on, every layer and outputs and gradients
+    # (the sinks' too) equal to plain torch.compile's
+    model = family().train()
+    if family is gemma2:
+        x, kwargs = ids(), {"use_cache": False, "labels": ids()}
+    else:
+        x, kwargs = torch.randn(B, S, HEADS * HEAD_DIM), {}
+    _, stats = compile_and_count(model, x, fusions=ATTENTION, train=True, kwargs=kwargs)
+    assert stats == {} and len(near_misses(f"{setting}=True")) == 2
+    got, stats = compile_and_count(model, x, fusions=ATTENTION, train=True, kwargs=kwargs, **{setting: True})
+    assert stats == {attention_key(variant): 2}
+    with compiling():
+        want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), True, kwargs=kwargs)
+    assert_outcomes_close(got, want, rtol=2e-4)

@@ -600,19 +600,26 @@ SINKS_OPT_IN = ("attention sinks: the kernel's sinks route is not yet measured o
                 "(attention_sinks=True / FUSIONPASS_ATTENTION_SINKS=1)")
 
 
+def _eager_variant(node: fx.Node) -> str | None:
+    """The variant _eager_search gives node, or None (its near misses are its own variants' to report)."""
+    try:
+        found = _eager_search(node)
+    except NearMiss:
+        return None
+    return None if found is None else found.variant
+
+
 def _softcap_opt_in(node: fx.Node) -> Match | None:
     """With the softcap route off: eager attention with soft-capped scores (and no sinks), a near
     miss that names the setting."""
-    found = _eager_search(node)
-    if found is not None and found.variant == "eager_softcap_kernel":
+    if _eager_variant(node) == "eager_softcap_kernel":
         raise NearMiss(SOFTCAP_OPT_IN)
     return None
 
 
 def _sinks_opt_in(node: fx.Node) -> Match | None:
     """With the sinks route off: eager attention with sinks, a near miss that names the setting."""
-    found = _eager_search(node)
-    if found is not None and found.variant == "eager_sinks_kernel":
+    if _eager_variant(node) == "eager_sinks_kernel":
         raise NearMiss(SINKS_OPT_IN)
     return None
 
