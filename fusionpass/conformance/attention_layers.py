@@ -195,7 +195,22 @@ class DeepseekMLA(nn.Module):
         return x
 
 
-class Gemma2(nn.Module):
+class _LayerTypes(nn.Module):
+    """Layers of a config's `layer_types` (a sliding window, then full attention), each over the
+    mask its model builds for its type."""
+
+    def forward(self, x, attention_mask=None):
+        mu = _masking()
+        positions = _positions(x.shape[1], x.device)
+        masks = {"full_attention": mu.create_causal_mask, "sliding_attention": mu.create_sliding_window_causal_mask}
+        cos_sin = self.rotary(x, positions)
+        for layer, kind in zip(self.layers, self.config.layer_types):
+            mask = masks[kind](self.config, x, attention_mask, None, position_ids=positions)
+            x = x + layer(x, cos_sin, mask)[0]
+        return x
+
+
+class Gemma2(_LayerTypes):
     """Gemma2Attention layers, eager (the implementation Gemma-2's logit soft-capping needs): the
     first layer a sliding window of about a third of the sequence, the second full, each with the
     mask Gemma2Model builds for its layer type; scores soft-capped at `softcap`."""
@@ -214,18 +229,8 @@ class Gemma2(nn.Module):
         self.rotary = family.Gemma2RotaryEmbedding(self.config)
         self.layers = nn.ModuleList(family.Gemma2Attention(self.config, i) for i in range(LAYERS))
 
-    def forward(self, x, attention_mask=None):
-        mu = _masking()
-        positions = _positions(x.shape[1], x.device)
-        masks = {"full_attention": mu.create_causal_mask, "sliding_attention": mu.create_sliding_window_causal_mask}
-        cos_sin = self.rotary(x, positions)
-        for layer in self.layers:
-            mask = masks[layer.layer_type](self.config, x, attention_mask, None, position_ids=positions)
-            x = x + layer(x, cos_sin, mask)[0]
-        return x
 
-
-class GptOss(nn.Module):
+class GptOss(_LayerTypes):
     """GptOssAttention layers, eager (the implementation gpt-oss's attention sinks need): a learned
     logit per query head joins each row's softmax. The first layer a sliding window of about a
     third of the sequence, the second full, each with the mask GptOssModel builds for it."""
@@ -245,16 +250,6 @@ class GptOss(nn.Module):
         with torch.no_grad():
             for layer in self.layers:  # (allocated, not initialized, by the module)
                 layer.sinks.normal_()
-
-    def forward(self, x, attention_mask=None):
-        mu = _masking()
-        positions = _positions(x.shape[1], x.device)
-        masks = {"full_attention": mu.create_causal_mask, "sliding_attention": mu.create_sliding_window_causal_mask}
-        cos_sin = self.rotary(x, positions)
-        for layer, kind in zip(self.layers, self.config.layer_types):
-            mask = masks[kind](self.config, x, attention_mask, None, position_ids=positions)
-            x = x + layer(x, cos_sin, mask)[0]
-        return x
 
 
 class Bert(nn.Module):
