@@ -519,8 +519,6 @@ class Options:
     # SDPA spends (benchmarks/results/latest/attention_head_dims.md).
     mla: bool = option(False, "q/k and v of different head dims (MLA: 192 and 128) on the routes above, v "
                               "padded with zero columns to q's head dim for the kernel")
-    # Off until measured against our kernel and cuDNN's causal one (benchmarks/probes/
-    # collator_attention_routes.py): needs the `cudnn` extra (nvidia-cudnn-frontend).
     # Off until measured on the GPU against plain compile's S x S scores (Gemma-2's eager attention);
     # the kernel's numerics are checked (the conformance cases of fusionpass/fusions/flash_attention).
     softcap: bool = option(False, "eager-math attention whose scaled scores are soft-capped, c * tanh(s / c) "
@@ -528,6 +526,8 @@ class Options:
     # Off until measured on the GPU against plain compile's S x S scores (gpt-oss's eager attention).
     sinks: bool = option(False, "eager-math attention whose softmax takes a learned logit per head as a last "
                                 "column (gpt-oss's attention sinks) -> fusionpass::flash_attention with sinks")
+    # Off until measured against our kernel and cuDNN's causal one (benchmarks/probes/
+    # collator_attention_routes.py): needs the `cudnn` extra (nvidia-cudnn-frontend).
     cudnn_padding: bool = option(False, "causal or all-true masks with run-time key padding over square scores "
                                         "-> fusionpass::padded_attention: cuDNN's padding mask for rows whose "
                                         "keys are a prefix, our kernel for the others")
