@@ -22,7 +22,8 @@ segments [B, L] integer (Lq == Lk == L) or None: key j is visible to query i onl
 segments[b, i] == segments[b, j] (packed sequences; each row nondecreasing),
 dropout_p > 0 needs `seed` (a one-element int64 tensor), softcap c > 0 caps the scaled scores at
 c * tanh(s / c) before any bias or mask (Gemma-2), sinks [Hq] float (the one optional tensor that
-takes a gradient) joins every row's softmax denominator as a logit with no value (gpt-oss). The math, the RNG and the rows that see
+takes a gradient) joins every row's softmax denominator as a logit with no value (gpt-oss). The
+math, the RNG and the rows that see
 no key (out 0, lse EMPTY_LSE) are those of fusionpass/kernels/attention.
 
 Output layout: `out` is [B, Hq, Lq, D]; contiguous by default, or with `token_major=True` laid out
@@ -181,12 +182,12 @@ def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bott
 
 
 def _reference_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
-                        diagonal, dropout_p, seed, segments=None, softcap=0.0):
+                        diagonal, dropout_p, seed, segments=None, softcap=0.0, sinks=None):
     # torch.func.vjp, not torch.autograd: this runs inside a custom op's implementation, below the
     # autograd dispatch key, where enable_grad() records nothing
     def forward(q_, k_, v_):
         return _reference(q_, k_, v_, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal,
-                          dropout_p, seed, segments, softcap)[0]
+                          dropout_p, seed, segments, softcap, sinks)[0]
 
     _, vjp = torch.func.vjp(forward, q, k, v)
     return vjp(do.to(q.dtype))
@@ -230,7 +231,8 @@ def _(q, k, v, *_tensors, token_major=False, **_options):
 @torch.library.custom_op("fusionpass::flash_attention_backward_host", mutates_args=())
 def _backward_host(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None = None,
-    key_bias: Tensor | None = None, seed: Tensor | None = None, segments: Tensor | None = None, *, scale: float,
+    key_bias: Tensor | None = None, seed: Tensor | None = None, segments: Tensor | None = None,
+    sinks: Tensor | None = None, *, scale: float,
     causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
     dropout_p: float = 0.0, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -239,7 +241,7 @@ def _backward_host(
     if host.interpreting():
         dq, dk, dv = _kernel_backward(*args, blocks=CPU_BLOCKS, softcap=softcap)
     else:
-        dq, dk, dv = _reference_backward(*args, softcap=softcap)
+        dq, dk, dv = _reference_backward(*args, softcap=softcap, sinks=sinks)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -276,7 +278,8 @@ def flash_attention(
 @torch.library.triton_op("fusionpass::flash_attention_backward", mutates_args=())
 def flash_attention_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor | None = None,
-    key_bias: Tensor | None = None, seed: Tensor | None = None, segments: Tensor | None = None, *, scale: float,
+    key_bias: Tensor | None = None, seed: Tensor | None = None, segments: Tensor | None = None,
+    sinks: Tensor | None = None, *, scale: float,
     causal: bool = False, window: int = 0, align_bottom_right: bool = False, diagonal: int = 0,
     dropout_p: float = 0.0, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -284,7 +287,8 @@ def flash_attention_backward(
         return _backward_host(do, q, k, v, out, lse, scale=scale, key_padding=key_padding, key_bias=key_bias,
                               causal=causal, window=window, align_bottom_right=align_bottom_right,
                               diagonal=diagonal, dropout_p=dropout_p, seed=seed, segments=segments,
-                              softcap=softcap)
+                              sinks=sinks, softcap=softcap)
+    # (the kernels need no sinks: lse, from the forward, includes them)
     return _kernel_backward(do, q, k, v, out, lse, key_padding, key_bias, scale, causal, window, align_bottom_right,
                             diagonal, dropout_p, seed, segments, softcap=softcap)
 
@@ -315,7 +319,7 @@ def _backward(ctx, dout, _dlse):
         q = torch.ops.fusionpass.rope(q, None, rope_cos, rope_sin, form=form, rotary_dim=rotary_dim)[0]
     dq, dk, dv = torch.ops.fusionpass.flash_attention_backward(
         dout, q, k, v, out, lse, key_padding=key_padding, key_bias=key_bias, seed=seed, segments=segments,
-        **ctx.flags
+        sinks=sinks, **ctx.flags
     )
     if rope_cos is not None:
         dq = torch.ops.fusionpass.rope_backward(dq, None, rope_cos, rope_sin, form=form, rotary_dim=rotary_dim)[0]
