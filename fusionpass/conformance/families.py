@@ -82,8 +82,9 @@ FAMILIES: dict[str, Family] = {
                           layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0,
                           final_logit_softcapping=30.0),
                      attention="eager",
-                     gaps="attention: soft-capped scores take the kernel only with attention_softcap=True (opt-in "
-                          "until measured on the GPU; fusionpass/fusions/flash_attention/cases.py checks it)"),
+                     gaps="attention: under the collator's attention_mask (run-time key padding) a query row "
+                          "that sees no key averages every value and differentiates that uniform softmax; the "
+                          "kernel does not (without a mask its soft-capped scores take the kernel by default)"),
     "gemma": Family("GemmaConfig", LLAMA_LAYER, LLAMA_ONCE, dict(hidden_activation="gelu_pytorch_tanh")),
     "gemma3": Family("Gemma3TextConfig", {**LLAMA_LAYER, "rms_norm_residual": 6}, LLAMA_ONCE,
                      dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),

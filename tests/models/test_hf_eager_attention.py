@@ -194,17 +194,17 @@ def gpt_oss():
 
 @pytest.mark.parametrize("family, variant, setting", [
     (gemma2, "eager_softcap_kernel", "attention_softcap"), (gpt_oss, "eager_sinks_kernel", "attention_sinks")])
-def test_opt_in_eager_forms(family, variant, setting):
-    # off by default, a near miss naming the setting; on, every layer and outputs and gradients
-    # (the sinks' too) equal to plain torch.compile's
+def test_eager_forms_on_by_default(family, variant, setting):
+    # every layer by default, outputs and gradients (the sinks' too) equal to plain torch.compile's;
+    # with the setting off, a near miss naming it
     model = family().train()
     if family is gemma2:
         x, kwargs = ids(), {"use_cache": False, "labels": ids()}
     else:
         x, kwargs = torch.randn(B, S, HEADS * HEAD_DIM), {}
-    _, stats = compile_and_count(model, x, fusions=ATTENTION, train=True, kwargs=kwargs)
-    assert stats == {} and len(near_misses(f"{setting}=True")) == 2
-    got, stats = compile_and_count(model, x, fusions=ATTENTION, train=True, kwargs=kwargs, **{setting: True})
+    _, stats = compile_and_count(model, x, fusions=ATTENTION, train=True, kwargs=kwargs, **{setting: False})
+    assert stats == {} and len(near_misses(f"{setting}=False")) == 2
+    got, stats = compile_and_count(model, x, fusions=ATTENTION, train=True, kwargs=kwargs)
     assert stats == {attention_key(variant): 2}
     with compiling():
         want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), True, kwargs=kwargs)

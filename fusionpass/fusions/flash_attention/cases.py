@@ -21,8 +21,6 @@ from fusionpass.conformance.builders import BF16, FP16, FP32
 
 
 CUDNN_PADDING = {"attention_cudnn_padding": True}  # fusionpass::padded_attention (opt-in)
-SOFTCAP = {"attention_softcap": True}  # soft-capped scores (opt-in until measured)
-SINKS = {"attention_sinks": True}  # attention sinks (opt-in until measured)
 
 
 def _cudnn_route(train: bool, shape: Shape, dtype) -> dict:
@@ -63,23 +61,23 @@ CASES = [
     *layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager", Gemma2, kernel_counts("rope"), [
         (BF16, GPD256, True, None), (FP16, G77, True, None), (BF16, G513, False, None),
         (FP32, GPD256, True, None),
-    ], SOFTCAP),
+    ]),
     *layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-cap5", Gemma2, kernel_counts("rope"), [
         (BF16, G1000, True, None), (FP16, G333_256, False, None),
-    ], SOFTCAP, softcap=5.0),
-    # ... off by default: the near miss names the setting
-    *[dataclasses.replace(c, near_miss="attention_softcap=True")
-      for c in layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-default", Gemma2,
-                           always(rope=LAYERS), [(BF16, GPD256, True, None)])],
+    ], softcap=5.0),
+    # ... with the route switched off, the near miss names the setting
+    *[dataclasses.replace(c, near_miss="attention_softcap=False")
+      for c in layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-off", Gemma2,
+                           always(rope=LAYERS), [(BF16, GPD256, True, None)], {"attention_softcap": False})],
     # gpt-oss's attention sinks (its head dim 64; GQA; a sliding-window layer and a full one), the
     # sinks' gradient checked with every parameter's
     *layer_cases("flash_attention", "eager_sinks_kernel", "gpt-oss-eager", GptOss, kernel_counts(), [
         (BF16, G77, True, None), (FP16, Shape(2, 8, 2, 513, 64), True, None), (BF16, G1000, False, None),
         (BF16, Shape(1, 8, 1, 333, 128), True, None), (FP32, G77, True, None),
-    ], SINKS),
-    *[dataclasses.replace(c, near_miss="attention_sinks=True")
-      for c in layer_cases("flash_attention", "eager_sinks_kernel", "gpt-oss-eager-default", GptOss,
-                           always(), [(BF16, G77, True, None)])],
+    ]),
+    *[dataclasses.replace(c, near_miss="attention_sinks=False")
+      for c in layer_cases("flash_attention", "eager_sinks_kernel", "gpt-oss-eager-off", GptOss,
+                           always(), [(BF16, G77, True, None)], {"attention_sinks": False})],
     *layer_cases("flash_attention", "eager_alibi_kernel", "bloom-eager", Bloom, kernel_counts(), [
         (BF16, M77, True, None), (FP16, M513, False, None), (BF16, Shape(2, 12, 12, 1000, 80), True, None),
         (FP32, Shape(2, 12, 12, 1000, 80), True, None),
