@@ -39,6 +39,24 @@ def fields(options: type) -> SimpleNamespace:
 Bound = Union[int, Field, None]  # a number, an options field, or None: unbounded
 
 
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The values a size can take where a rule is checked: one, where it is static; under dynamic
+    shapes lo..hi (hi None: unbounded), the range the shape environment allows, and the hint, the
+    value it was traced at (None where there is none)."""
+
+    lo: int
+    hi: int | None
+    hint: int | None
+
+    @classmethod
+    def static(cls, value: int) -> Sizes:
+        return cls(value, value, value)
+
+    def show(self) -> str:
+        return str(self.lo) if self.lo == self.hi else f"{self.lo}..{'' if self.hi is None else self.hi}"
+
+
 def mode(training: bool) -> str:
     return "training" if training else "inference"
 
@@ -106,6 +124,27 @@ class Range:
         if hi is not None and value > hi:
             return f"{self.what} {self._show(value)} > {self._show(hi)}{where}"
         return None
+
+    def check_sizes(self, sizes: Sizes, mode: str, cfg=None) -> str | None:
+        """`check` over every value a symbolic size can take: None where all of them lie inside the
+        rule, the reason where none does. Where the range straddles a bound, the rule decides at the
+        hint, as Inductor tunes its own code for dynamic shapes at their hints: the replacement is
+        exact at every size, so only its speed depends on the choice."""
+        if sizes.lo == sizes.hi:
+            return self.check(sizes.lo, mode, cfg)
+        bounds = self.bounds(mode, cfg)
+        if bounds is None:
+            return f"not selected in {mode}"
+        lo, hi = bounds
+        if (lo is None or sizes.lo >= lo) and (hi is None or (sizes.hi is not None and sizes.hi <= hi)):
+            return None
+        where = f" in {mode}" if self._modal() else ""
+        if (hi is not None and sizes.lo > hi) or (lo is not None and sizes.hi is not None and sizes.hi < lo):
+            return f"{self.what} {sizes.show()} (symbolic) outside {_span(lo, hi, self._show)}{where}"
+        if sizes.hint is None:
+            return f"{self.what} {sizes.show()} (symbolic, no size hint) not within {_span(lo, hi, self._show)}{where}"
+        why = self.check(sizes.hint, mode, cfg)
+        return None if why is None else f"{why} (at the size hint; symbolic, {sizes.show()})"
 
     def describe(self, names: Mapping[str, str], cfg=None) -> str:
         """The rule in words, with the defaults (or `cfg`'s values) and the settings holding them

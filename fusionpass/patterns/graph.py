@@ -15,6 +15,8 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
+from fusionpass.cost import Sizes
+
 # call_function targets -> canonical op name
 _FUNCTIONS = {
     operator.add: "add",
@@ -223,6 +225,31 @@ def static_int(size) -> int | None:
     if isinstance(size, torch.SymInt):
         return size.node.maybe_as_int()
     return None
+
+
+def sizes(size) -> Sizes | None:
+    """The values an int or SymInt can take (fusionpass.cost.Sizes): itself where static; for a free
+    symbol or an expression of symbols, the range its shape environment allows and its hint. None
+    for anything else."""
+    value = static_int(size)
+    if value is not None:
+        return Sizes.static(value)
+    if not isinstance(size, torch.SymInt):
+        return None
+    node = size.node
+    env = node.shape_env
+    found = env.bound_sympy(node.expr)
+    lo, hi = _finite_int(found.lower), _finite_int(found.upper)
+    hint = node.hint if isinstance(node.hint, int) else None
+    return Sizes(max(lo or 0, 0), hi, hint)
+
+
+def _finite_int(bound) -> int | None:
+    """A sympy range bound as an int; None for an infinite one (sympy's or torch's int_oo)."""
+    try:
+        return int(bound) if bound.is_integer and bound.is_finite is not False else None
+    except (TypeError, AttributeError, OverflowError, ValueError):
+        return None
 
 
 def unsupported_device(t: torch.Tensor, cfg) -> str | None:

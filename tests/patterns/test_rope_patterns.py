@@ -168,6 +168,33 @@ def test_dynamic_sequence(opted_in):
     assert_outcomes_close(got, eager(module, q, k))
 
 
+class LlamaRopeOfInputs(nn.Module):
+    """LlamaRope with cos/sin as inputs [1, S, D], as HF models pass `position_embeddings`."""
+
+    def forward(self, q, k, cos, sin):
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+@pytest.mark.parametrize("seq, selected", [(64, True), (7, False)])
+def test_cost_rule_under_dynamic_shapes(seq, selected, monkeypatch):
+    # a symbolic sequence length (range 2.. with no upper bound) straddles the rule's 64 positions:
+    # the rule decides at the size hint, as with a static length of that size
+    monkeypatch.delenv("FUSIONPASS_ROPE_KERNEL", raising=False)
+    emb = torch.cat((_freqs(D, seq), _freqs(D, seq)), -1)
+    inputs = (*_qk(seq=seq), emb.cos(), emb.sin())
+    for t in inputs:
+        torch._dynamo.mark_dynamic(t, 1)
+    module = LlamaRopeOfInputs()
+    got, stats = compile_and_count(module, *inputs, fusions=[FUSION])
+    if selected:
+        assert stats == counts(rotate_half=1)
+        assert_outcomes_close(got, eager(module, *inputs))
+    else:
+        assert stats == {} and near_misses("cost: positions 7 < 64 (at the size hint; symbolic, 2..)")
+
+
 def test_graph_has_one_call(opted_in):
     gm, _, record = fused_graph(LlamaRope(), *_qk(), fusions=[FUSION])
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.fusionpass.rope.default]

@@ -124,6 +124,20 @@ def test_default_cost_rule(monkeypatch, rows, train, settings, why):
     assert_outcomes_close(got, want)
 
 
+@pytest.mark.parametrize("rows", [6, 65])
+def test_inference_rows_under_dynamic_shapes(monkeypatch, rows):
+    # symbolic rows (2.., unbounded) may be decode-sized, and above that size the op runs the library
+    # GEMMs itself: selected whatever the hint, and exact at every row count the graph then takes
+    monkeypatch.delenv("FUSIONPASS_SWIGLU_MLP_KERNEL")
+    mlp = GatedMLP().eval()
+    x = torch.randn(rows, K)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch.no_grad():
+        got, stats = compile_and_count(mlp, x, fusions=[FUSION])
+        assert stats == {(FUSION, "silu"): 1} and near_misses() == []
+        assert_outcomes_close(got, eager(mlp, x))
+
+
 def test_autocast_over_fp32_weights_matches():
     """Under autocast the linears read fp32 x and weights and return bf16; the autocast casts
     written before matching (patterns/autocast.py) make every input of the MLP bf16, so it fuses

@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from fusionpass import registry
-from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Range, Switch, fields
+from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Range, Sizes, Switch, fields
 from fusionpass.patterns import autocast
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, Variant, option
@@ -447,12 +447,14 @@ def order_allows(m: Match, cfg) -> str | None:
     return None
 
 
-def _positions(m: Match) -> int | None:
+def _positions(m: Match) -> Sizes | None:
     """How many positions the rotation covers: cos's non-batch, non-channel extent ([B, 1, S, r]
-    for [B, H, S, D] q/k, [B, S, 1, r] for GPT-J's [B, S, H, D])."""
-    c = g.tensor(m.bindings["cos"])
-    sizes = [g.static_int(n) for n in c.shape[1:3]]
-    return None if None in sizes else max(sizes)
+    for [B, H, S, D] q/k, [B, S, 1, r] for GPT-J's [B, S, H, D]), static or symbolic."""
+    dims = [n for n in g.tensor(m.bindings["cos"]).shape[1:3] if g.static_int(n) != 1]
+    if len(dims) <= 1:
+        return g.sizes(dims[0]) if dims else Sizes.static(1)
+    static = [g.static_int(n) for n in dims]
+    return None if None in static else Sizes.static(max(static))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,15 +487,14 @@ def cost_rule(m: Match, cfg) -> str | None:
     if ANY_SIZE.on(cfg):
         return None
     tensors = [g.tensor(m.bindings[n]) for n in ("q", "k") if m.bindings[n] is not None]
-    sizes = [g.static_int(t.numel()) for t in tensors]
+    nbytes = g.sizes(sum(t.numel() * t.element_size() for t in tensors))
     positions = _positions(m)
-    if None in sizes or positions is None:
-        return "symbolic sizes: the cost rule needs static ones (rope_kernel=True routes it anyway)"
-    nbytes = sum(n * t.element_size() for n, t in zip(sizes, tensors))
+    if nbytes is None or positions is None:
+        return "sizes the cost rule cannot read (rope_kernel=True routes it anyway)"
     head_dim = g.static_int(tensors[0].shape[-1])
     full_interleaved = m.bindings["form"] == "interleaved" and m.bindings["rotary_dim"] == head_dim
     size = INTERLEAVED_SIZE if full_interleaved else SIZE
-    return POSITIONS.check(positions, "inference", cfg) or size.check(nbytes, "inference", cfg)
+    return POSITIONS.check_sizes(positions, "inference", cfg) or size.check_sizes(nbytes, "inference", cfg)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -205,16 +205,21 @@ def decode_rows(m: Match, cfg) -> str | None:
         return None
     x = g.tensor(m.bindings["x"])
     k = g.static_int(x.shape[-1])
-    rows = g.static_int(x.numel()) // k if k and g.static_int(x.numel()) is not None else None
+    rows = g.sizes(x.numel() // k) if k else None
     training = mode(g.tensor(m.bindings["h"]).requires_grad)
     if training == "training" and RECOMPUTE.on(cfg):
         return None
     if training == "training":
         why = ROWS.check(1, training, cfg)
     elif rows is None:
-        why = "rows symbolic (the rule needs them static)"
+        why = "rows the cost rule cannot read"
     else:
-        why = ROWS.check(rows, training, cfg)
+        # the op itself takes the decode kernel only up to DECODE_MAX_M rows and the library GEMMs
+        # above (fusions/swiglu_mlp/op.py), as fast as Inductor's there: symbolic rows that may be
+        # decode-sized are selected, a run-time choice at every size the graph takes
+        why = ROWS.check(rows.lo, training, cfg)
+        if why is not None and rows.lo != rows.hi:
+            why = f"{why} (symbolic rows {rows.show()})"
     return None if why is None else f"{why}; {ANYWAY}"
 
 
