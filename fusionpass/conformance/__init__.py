@@ -88,6 +88,10 @@ class Case:
     # In training, the first this-many outputs get cotangents (None: every floating output): a
     # Trainer step backpropagates the loss alone, while the logits it returns go unread
     differentiated_outputs: int | None = None
+    # Input dims (e.g. (0, 1): batch and sequence) marked dynamic on both sides, as serving and
+    # varying lengths compile (dims of size 1 stay static, as Dynamo keeps them): the cost rules then
+    # decide over the sizes' ranges (fusionpass.cost.Sizes)
+    dynamic_dims: tuple[int, ...] = ()
 
 
 def case_modules(twins: bool = True) -> list[ModuleType]:
@@ -139,11 +143,14 @@ class _Run:
     searches: dict[str, int] | None = None
 
 
-def _execute(module, inputs, train, cotangents, forward_kwargs=None, differentiated=None) -> _Run:
+def _execute(module, inputs, train, cotangents, forward_kwargs=None, differentiated=None, dynamic_dims=()) -> _Run:
     ins = []
     for t in inputs:
         if _floating(t):
             t = t.detach().clone().requires_grad_(train)
+        for dim in dynamic_dims:
+            if isinstance(t, torch.Tensor) and dim < t.dim() and t.shape[dim] > 1:
+                torch._dynamo.mark_dynamic(t, dim)
         ins.append(t)
     module.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(train):
@@ -160,9 +167,10 @@ def _execute(module, inputs, train, cotangents, forward_kwargs=None, differentia
     return _Run([o.detach() for o in outs], grads)
 
 
-def _compiled(module, backend):
+def _compiled(module, backend, marked_dynamic=False):
     torch._dynamo.reset()
-    return torch.compile(module, backend=backend, dynamic=False)
+    # dynamic=False would specialize the dims marked dynamic too; None honours the marks
+    return torch.compile(module, backend=backend, dynamic=None if marked_dynamic else False)
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -240,13 +248,13 @@ def _run_case(case: Case, device: str) -> dict:
     result = _header(case)
     seconds = {"setup": lap()}
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        plain = _execute(_compiled(copy.deepcopy(module), "inductor"), inputs, case.train, cotangents,
-                         differentiated=case.differentiated_outputs)
+        plain = _execute(_compiled(copy.deepcopy(module), "inductor", bool(case.dynamic_dims)), inputs, case.train, cotangents,
+                         differentiated=case.differentiated_outputs, dynamic_dims=case.dynamic_dims)
         seconds["plain"] = lap()
         fusionpass.reset_stats()
         backend = fusionpass.backend(**case.config)
-        fused = _execute(_compiled(copy.deepcopy(module), backend), inputs, case.train, cotangents,
-                         differentiated=case.differentiated_outputs)
+        fused = _execute(_compiled(copy.deepcopy(module), backend, bool(case.dynamic_dims)), inputs, case.train, cotangents,
+                         differentiated=case.differentiated_outputs, dynamic_dims=case.dynamic_dims)
         fused.matches = fusionpass.stats()
         fused.variants = {f"{f}/{v}": n for (f, v), n in fusionpass.stats(variants=True).items()}
         fused.searches = {f"{f}/{v}": n for (f, v), n in STATISTICS.searches.items()}

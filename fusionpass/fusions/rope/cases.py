@@ -7,6 +7,7 @@ position ids inside the module (so they never require grad), q/k as views of pro
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -262,6 +263,14 @@ def _rope_cases():
         _, variant, n = ROPE_FORMS[form]
         cases.append(case("rope", variant, form, dtype, _rope_shape_name(shape), False,
                           maker(ROPE_FORMS[form][0], shape), {"rope": n}, {"rope_kernel": True}))
+    # batch and sequence dynamic (serving, varying lengths): the sequence length is symbolic, and the cost rule
+    # decides at its hint, as with these static lengths
+    for form, dtype, shape in (("llama_gqa", BF16, (2, 67, 8, 2, 64, 0)), ("gptj_rotary_dim", FP16, (1, 131, 12, 4, 80, 0))):
+        _, variant, n = ROPE_FORMS[form]
+        for train in (True, False):
+            cases.append(dataclasses.replace(
+                case("rope", variant, f"{form}_dynamic", dtype, _rope_shape_name(shape), train,
+                     maker(ROPE_FORMS[form][0], shape), {"rope": n}), dynamic_dims=(0, 1)))
     # the one form the rotation above does not deal out (kept out of it so that its cases stay as
     # they are): partial interleaved rotary of one tensor, in both modes
     shape = (2, 67, 8, 8, 64, 0)

@@ -6,6 +6,7 @@ The modules are written the way transformers 5.x writes gated MLPs, holding thei
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -104,6 +105,12 @@ def _swiglu_cases():
     # int (their CUDA build once failed there while the interpreter ran it)
     cases += [_swiglu_case("phi3_gate_up", FP32, (1, 1, 203, 517), True),
               _swiglu_recompute_case("llama", BF16, (1, 1, 203, 517))]
+    # batch and sequence dynamic (serving, varying lengths): symbolic rows may be decode-sized, so inference is
+    # selected by default on either side of the limit (the op picks its kernels at run time)
+    cases += [dataclasses.replace(case("swiglu_mlp", SWIGLU_FORMS[form][3], f"{form}_dynamic", dtype,
+                                       "b{}-s{}-k{}-n{}".format(*shape), False, maker(_swiglu_build, form, shape),
+                                       {"swiglu_mlp": 1}), dynamic_dims=(0, 1))
+              for form, dtype, shape in (("llama", BF16, (3, 5, 203, 517)), ("phi3_gate_up", FP16, (2, 67, 384, 1031)))]
     return cases
 
 
