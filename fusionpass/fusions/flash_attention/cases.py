@@ -21,6 +21,7 @@ from fusionpass.conformance.builders import BF16, FP16, FP32
 
 
 CUDNN_PADDING = {"attention_cudnn_padding": True}  # fusionpass::padded_attention (opt-in)
+SOFTCAP_TRAINING = {"attention_softcap_training": True}  # soft-capped attention in training (opt-in)
 
 
 def _cudnn_route(train: bool, shape: Shape, dtype) -> dict:
@@ -58,17 +59,25 @@ CASES = [
     ]),
     # Gemma-2's soft-capped scores (caps of 50, its default, and 5, which most scores reach), a
     # sliding-window layer and a full one, GQA, with the rope fusion in front
+    # (in training with attention_softcap_training: leaner than plain compile, but slower)
     *layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager", Gemma2, kernel_counts("rope"), [
         (BF16, GPD256, True, None), (FP16, G77, True, None), (BF16, G513, False, None),
         (FP32, GPD256, True, None),
-    ]),
+    ], SOFTCAP_TRAINING),
     *layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-cap5", Gemma2, kernel_counts("rope"), [
         (BF16, G1000, True, None), (FP16, G333_256, False, None),
-    ], softcap=5.0),
+    ], SOFTCAP_TRAINING, softcap=5.0),
+    # ... by default inference only: in training the near miss names the setting
+    *layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-default", Gemma2, kernel_counts("rope"), [
+        (BF16, G513, False, None),
+    ]),
+    *[dataclasses.replace(c, near_miss="attention_softcap_training=True")
+      for c in layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-default", Gemma2,
+                           always(rope=LAYERS), [(BF16, GPD256, True, None)])],
     # ... with the route switched off, the near miss names the setting
     *[dataclasses.replace(c, near_miss="attention_softcap=False")
       for c in layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-off", Gemma2,
-                           always(rope=LAYERS), [(BF16, GPD256, True, None)], {"attention_softcap": False})],
+                           always(rope=LAYERS), [(BF16, GPD256, False, None)], {"attention_softcap": False})],
     # gpt-oss's attention sinks (its head dim 64; GQA; a sliding-window layer and a full one), the
     # sinks' gradient checked with every parameter's
     *layer_cases("flash_attention", "eager_sinks_kernel", "gpt-oss-eager", GptOss, kernel_counts(), [

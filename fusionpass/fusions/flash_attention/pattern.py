@@ -519,10 +519,13 @@ class Options:
     # SDPA spends (benchmarks/results/latest/attention_head_dims.md).
     mla: bool = option(False, "q/k and v of different head dims (MLA: 192 and 128) on the routes above, v "
                               "padded with zero columns to q's head dim for the kernel")
-    # On: against plain compile's S x S scores the kernel measured faster in inference and, slower in
-    # training, several times leaner there (benchmarks/results/latest/attention_eager_forms.md).
+    # On: against plain compile's S x S scores the kernel measured faster in inference; in training
+    # slower, though several times leaner, so there SOFTCAP_TRAINING keeps it out unless
+    # softcap_training (benchmarks/results/latest/attention_eager_forms.md).
     softcap: bool = option(True, "eager-math attention whose scaled scores are soft-capped, c * tanh(s / c) "
                                   "(Gemma-2's attn_logit_softcapping) -> fusionpass::flash_attention with softcap")
+    softcap_training: bool = option(False, "the soft-capped route in training too, where it is leaner than "
+                                           "plain compile but slower")
     # On: faster and leaner than plain compile's S x S scores in training and inference
     # (benchmarks/results/latest/attention_eager_forms.md).
     sinks: bool = option(True, "eager-math attention whose softmax takes a learned logit per head as a last "
@@ -550,6 +553,19 @@ PADDING_DROPOUT = Range.always("attention dropout (%, rounded up) of an all-true
 # (benchmarks/results/kernel/collator_attention_routes.md). The cuDNN route (attention_cudnn_padding)
 # is not bound by it.
 CAUSAL_PADDING_HEAD_DIM = Range.always("head dim of a causal mask with key padding", None, 128)
+# Soft-capped eager attention: in training slower than plain compile, though leaner
+# (benchmarks/results/latest/attention_eager_forms.md), so inference only unless switched on
+SOFTCAPPED = Range("soft-capped eager attention", training=None)
+SOFTCAP_TRAINING = Switch(FIELDS.softcap_training, "soft-capped eager attention in training too")
+
+
+def softcap_cost(m: Match, cfg) -> str | None:
+    """SOFTCAPPED, unless SOFTCAP_TRAINING (or attention_kernel)."""
+    if m.variant != "eager_softcap_kernel" or SOFTCAP_TRAINING.on(cfg) or EVERY_ROUTE.on(cfg):
+        return None
+    training = mode(bool(g.tensor(m.bindings["args"]["query"]).requires_grad))
+    why = SOFTCAPPED.check(0, training, cfg)
+    return None if why is None else f"{SOFTCAPPED.what} {why}; attention_softcap_training=True selects it (leaner, slower)"
 
 
 def padding_cost(m: Match, cfg) -> str | None:
@@ -654,7 +670,7 @@ FLASH_ATTENTION = registry.register(
             "v's head dim under q's (MLA) only with attention_mla=True; "
             "fp16/bf16 on CUDA (fp32 is a near miss there, kernel_dtypes)"
         ),
-        cost=(EVERY_ROUTE, PADDING_HEAD_DIM, PADDING_DROPOUT, CAUSAL_PADDING_HEAD_DIM),
+        cost=(EVERY_ROUTE, PADDING_HEAD_DIM, PADDING_DROPOUT, CAUSAL_PADDING_HEAD_DIM, SOFTCAPPED, SOFTCAP_TRAINING),
         anchor=lambda node: sdpa.has_mask_node(node) or eager.is_anchor(node),
         variants=(
             Variant("eager_kernel", _only(_eager_search, "eager_kernel")),
@@ -684,6 +700,7 @@ FLASH_ATTENTION = registry.register(
             Guard("kernel_constants", kernel_constants),
             Guard("square_by_default", square_by_default),
             Guard("cost", padding_cost),
+            Guard("cost", softcap_cost),
         ),
         replace=replace_with_kernel,
         kernel=kernel_of,
