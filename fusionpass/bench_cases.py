@@ -38,6 +38,9 @@ class Case:
     without: str | None = None
     dtype: torch.dtype = BF16
     kwargs: dict = dataclasses.field(default_factory=dict)  # forward keyword inputs (HF models)
+    # the size a measured cost rule reads (a row width, a vocabulary): set on the cases of a topic
+    # whose table `benchmarks/suite.py --cost-tables` turns into the fusion's cost_table.py
+    shape_class: int | None = None
 
     @property
     def mode(self) -> str:

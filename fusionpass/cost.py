@@ -12,6 +12,7 @@ data, and its guards call `check`, whose reason states the rule ("row width 1024
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Union
@@ -158,6 +159,40 @@ class Range:
                 where = f" in {m}" if self._modal() else ""
                 parts.append(f"{_span(*self.bounds(m, cfg), self._show)}{_names(declared, names)}{where}")
         return f"{self.what} {', '.join(parts)}" if parts else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """Selected in a mode where the measured shape class nearest the value (by ratio) was faster
+    than plain compile. `speedups`: mode -> {shape class: plain / fusionpass}, the table a benchmark
+    topic measured (the fusion folder's generated cost_table.py); `source`, its result file. A mode
+    without rows is not decided here (the fusion's other rules are)."""
+
+    what: str
+    speedups: Mapping[str, Mapping[int, float]]
+    source: str
+
+    def nearest(self, value: int, mode: str) -> tuple[int, float] | None:
+        rows = self.speedups.get(mode) or {}
+        if not rows or value <= 0:
+            return None
+        measured = min(rows, key=lambda c: (abs(math.log(value / c)), c))
+        return measured, rows[measured]
+
+    def check(self, value: int, mode: str, cfg=None) -> str | None:
+        found = self.nearest(value, mode)
+        if found is None or found[1] >= 1.0:
+            return None
+        measured, speedup = found
+        return (f"{self.what} {value} in {mode}: at {measured}, the nearest measured, plain compile was faster "
+                f"({speedup:.3g}x; {self.source})")
+
+    def check_sizes(self, sizes: Sizes, mode: str, cfg=None) -> str | None:
+        """Over a symbolic size: at its hint (else its lower bound), as Range.check_sizes decides."""
+        return self.check(sizes.hint if sizes.hint is not None else max(sizes.lo, 1), mode, cfg)
+
+    def describe(self, names: Mapping[str, str], cfg=None) -> str:
+        return f"{self.what} where the nearest measured class was faster than plain compile ({self.source})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -264,3 +264,20 @@ def test_trainer_rows_from_runs():
     fp32, bf16 = trainer.rows_of(runs)
     assert fp32["case"] == "Trainer, fp32 weights" and fp32["ratio"] == 1.2 and fp32["loss_gap"] == 0.1
     assert bf16["case"] == "Trainer, bf16 weights" and "boom" in bf16["error"]
+
+
+def test_a_measured_topic_becomes_a_cost_table(tmp_path):
+    # rms_norm_widths' rows carry their shape class (the row width); --cost-tables turns them into
+    # the table fusionpass.cost.Measured reads (here from the text, not written into the package)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "suite.py"), "--smoke", "--device", "cpu",
+           "--only", "rms_norm_widths", "--out-dir", str(tmp_path), "--case", "8x1024, train"]
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / "rms_norm_widths.json").read_text())
+    [row] = data["rows"]
+    assert row["shape_class"] == 1024 and row["ratio"] > 0
+    namespace = {}
+    exec(_suite().cost_table_source("rms_norm_widths", data["rows"], data["environment"]), namespace)
+    assert namespace["SPEEDUPS"] == {"training": {1024: row["ratio"]}}
+    assert namespace["SOURCE"] == "benchmarks/results/latest/rms_norm_widths.md"

@@ -35,4 +35,30 @@ def linear_cross_entropy_cases(smoke):
     ]
 
 
-TOPICS = {"linear_cross_entropy": linear_cross_entropy_cases}
+# The shape classes the cost rule is measured on: (hidden, vocabulary) of checkpoints users train,
+# Llama-2-7B (4096, 32000), Phi-3-mini (3072, 32064), T5-base (768, 32128), Mistral-7B-v0.3
+# (4096, 32768), SmolLM2-360M (960, 49152), GPT-2 (768, 50257), OLMo-2-7B (4096, 100352),
+# Llama-3.2-1B (2048, 128256), Llama-3-8B (4096, 128256), DeepSeek-V3 (7168, 129280), Qwen2.5-0.5B
+# (896, 151936), Qwen2.5-7B (3584, 152064), gpt-oss-20b (2880, 201088), Gemma-2-2B (2304, 256000),
+# over one B4 S2048 batch of tokens.
+HEADS = ((4096, 32000), (3072, 32064), (768, 32128), (4096, 32768), (960, 49152), (768, 50257), (4096, 100352),
+         (2048, 128256), (4096, 128256), (7168, 129280), (896, 151936), (3584, 152064), (2880, 201088),
+         (2304, 256000))
+
+
+def linear_cross_entropy_vocabs_cases(smoke):
+    """Every (hidden, vocabulary) with the rule's bound opened: the table the bound is read from."""
+    from fusionpass.fusions.linear_cross_entropy.pattern import VOCAB
+
+    n = 16 if smoke else 8192
+    heads = ((64, 500), (64, 1000)) if smoke else HEADS
+    return [Case(f"lm_head+CE (HF ForCausalLMLoss) N{n} D{d} V{v}", lm_head_loss(n, d, v), True,
+                 ("linear_cross_entropy",), VOCAB.check(v, "training") is None, {"linear_cross_entropy_min_vocab": 1},
+                 shape_class=v)
+            for d, v in heads]
+
+
+TOPICS = {"linear_cross_entropy": linear_cross_entropy_cases,
+          "linear_cross_entropy_vocabs": linear_cross_entropy_vocabs_cases}
+# the topic whose rows `benchmarks/suite.py --cost-tables` writes into this folder's cost_table.py
+COST_TABLE_TOPIC = "linear_cross_entropy_vocabs"
