@@ -215,3 +215,18 @@ def test_eager_forms_on_by_default(family, variant, setting):
     with compiling():
         want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), True, kwargs=kwargs)
     assert_outcomes_close(got, want, rtol=2e-4)
+
+
+def test_sinks_under_a_collators_padding():
+    # left padding: query rows 0..2 of batch row 1 see no key, and attend to their sink alone under
+    # the additive mask as in the kernel (out 0, no gradient): matched, and equal to plain compile
+    model = gpt_oss().train()
+    x = torch.randn(B, S, HEADS * HEAD_DIM)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, :3] = 0
+    got, stats = compile_and_count(model, x, fusions=ATTENTION, train=True, kwargs={"attention_mask": mask})
+    assert stats == {attention_key("eager_sinks_kernel"): 2}
+    with compiling():
+        want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), True,
+                   kwargs={"attention_mask": mask})
+    assert_outcomes_close(got, want, rtol=2e-4)

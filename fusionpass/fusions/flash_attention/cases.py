@@ -84,6 +84,12 @@ CASES = [
         (BF16, G77, True, None), (FP16, Shape(2, 8, 2, 513, 64), True, None), (BF16, G1000, False, None),
         (BF16, Shape(1, 8, 1, 333, 128), True, None), (FP32, G77, True, None),
     ]),
+    # ... under a collator's attention_mask (run-time key padding), rows that see no key included:
+    # each attends to its sink alone, under the additive mask as in the kernel
+    *layer_cases("flash_attention", "eager_sinks_kernel", "gpt-oss-eager-padded", GptOss, kernel_counts(), [
+        (BF16, G77, True, "ones"), (BF16, Shape(2, 8, 2, 513, 64), True, "right"), (FP16, G77, True, "left_empty"),
+        (BF16, G1000, False, "left"),
+    ]),
     *[dataclasses.replace(c, near_miss="attention_sinks=False")
       for c in layer_cases("flash_attention", "eager_sinks_kernel", "gpt-oss-eager-off", GptOss,
                            always(), [(BF16, G77, True, None)], {"attention_sinks": False})],

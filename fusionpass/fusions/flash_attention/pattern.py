@@ -110,16 +110,20 @@ def _eager_search(node: fx.Node) -> Match | None:
     if found is None:
         return None
     e, args = found
-    kind, shift, window, mask_nodes = "none", 0, None, []
+    kind, shift, window, mask_nodes, key_padding = "none", 0, None, [], None
     if e.mask is not None:
         mk = masks.classify(e.mask)
         if mk.kind not in _EAGER_KINDS:
             raise NearMiss(f"eager attention mask not provable: {mk.detail}")
-        if mk.runtime:
+        if mk.runtime and e.sinks is None:
             raise NearMiss(
                 f"eager attention mask with run-time key padding ({mk.detail}): a query row that sees no "
                 "key averages every value under the additive mask, and is 0 in the kernel"
             )
+        if mk.runtime:
+            # with sinks a row that sees no key attends to its sink alone under the additive mask
+            # too (each fill is far below the sink's logit): out 0, no gradient, as in the kernel
+            key_padding = ak.key_padding_vector(mk, e.mask, args)
         if mk.kind == "sliding_window" and (mk.window is None or mk.window < 1):
             raise NearMiss(f"{mk.detail} without a causal bound: the kernel's window needs one")
         kind, shift, window = mk.kind, mk.shift, mk.window
@@ -145,7 +149,7 @@ def _eager_search(node: fx.Node) -> Match | None:
         anchor=node,
         nodes=list(e.nodes),
         bindings=dict(args=args, mask=e.mask, mask_nodes=mask_nodes, kind=kind,
-                      key=key, value=value, key_padding=None, shift=shift, window=window, eager=e),
+                      key=key, value=value, key_padding=key_padding, shift=shift, window=window, eager=e),
     )
 
 
