@@ -82,9 +82,10 @@ FAMILIES: dict[str, Family] = {
                           layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0,
                           final_logit_softcapping=30.0),
                      attention="eager",
-                     gaps="attention: under the collator's attention_mask (run-time key padding) a query row "
-                          "that sees no key averages every value and differentiates that uniform softmax; the "
-                          "kernel does not (without a mask its soft-capped scores take the kernel by default)"),
+                     gaps="attention in training: soft-capped scores take the kernel only with "
+                          "attention_softcap_training=True (slower than plain compile there, leaner), and under the "
+                          "collator's attention_mask a query row that sees no key differentiates a uniform softmax, "
+                          "which the kernel does not (in inference both take the kernel)"),
     "gemma": Family("GemmaConfig", LLAMA_LAYER, LLAMA_ONCE, dict(hidden_activation="gelu_pytorch_tanh")),
     "gemma3": Family("Gemma3TextConfig", {**LLAMA_LAYER, "rms_norm_residual": 6}, LLAMA_ONCE,
                      dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),

@@ -120,6 +120,7 @@ class Eager:
         self.key_bias: fx.Node | None = None  # [B*H, 1, Lk]
         self.mask: fx.Node | None = None  # the boolean mask under the additive one
         self.mask_nodes: list[fx.Node] = []
+        self.mask_fill: float | None = None  # what the masked scores are set to (added to, or filled with)
         self.dropout_p = 0.0
         self.scale = 1.0
         # Falcon adds its ALiBi tensor before the scale (`(q k^T + alibi) * s`): key_bias counts
@@ -469,6 +470,7 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
             _single_use(node, user)
             e.nodes.append(node)
             e.mask, e.mask_nodes = found[1], found[2]
+            e.mask_fill = float(node.args[2])
             user, node = node, found[0]
             continue
         if g.op(node) != "add":
@@ -479,6 +481,7 @@ def describe(anchor: fx.Node) -> tuple[Eager, dict] | None:
             found = _additive_mask(b) if e.mask is None else None
             if found is not None:
                 e.mask, e.mask_nodes = found
+                e.mask_fill = float(_additive_fill(b))
                 break
             biased = biased_mask(b) if e.mask is None else None
             if biased is not None:  # Falcon: the mask carries ALiBi / sqrt(d)

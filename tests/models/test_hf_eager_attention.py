@@ -230,3 +230,28 @@ def test_sinks_under_a_collators_padding():
         want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), True,
                    kwargs={"attention_mask": mask})
     assert_outcomes_close(got, want, rtol=2e-4)
+
+
+@pytest.mark.parametrize("train, padding", [(False, "left"), (False, "right"), (True, "left")],
+                         ids=["inference-left", "inference-right", "training"])
+def test_soft_capping_under_a_collators_padding(train, padding):
+    # query rows that see no key average every value under the additive mask: with left padding
+    # rows 0..2 of batch row 1, with right padding (3 tokens) row 7 in the window of 4 (keys 4..7).
+    # The replacement writes that average in inference (both layer types). In training such a row
+    # differentiates a uniform softmax, which the kernel does not: a near miss that says so
+    model = gemma2().train(train)
+    mask = torch.ones(B, S, dtype=torch.long)
+    if padding == "left":
+        mask[1, :3] = 0
+    else:
+        mask[1, 3:] = 0
+    kwargs = {"attention_mask": mask, "use_cache": False}
+    got, stats = compile_and_count(model, ids(), fusions=ATTENTION, train=train, kwargs=kwargs,
+                                   attention_softcap_training=True)
+    if train:
+        assert stats == {} and len(near_misses("differentiates a uniform softmax")) == 2
+        return
+    assert stats == {attention_key("eager_softcap_kernel"): 2}
+    with compiling():
+        want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (ids(),), False, kwargs=kwargs)
+    assert_outcomes_close(got, want, rtol=2e-4)

@@ -67,6 +67,23 @@ CASES = [
     *layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-cap5", Gemma2, kernel_counts("rope"), [
         (BF16, G1000, True, None), (FP16, G333_256, False, None),
     ], SOFTCAP_TRAINING, softcap=5.0),
+    # ... under a collator's attention_mask in inference (rows that see no key average every value,
+    # which the replacement writes after the kernel; right padding shorter than the window here, as
+    # the float64 reference cannot have such rows:
+    # Gemma-2 takes its softmax in fp32, where float64's fill is -inf, so they are NaN there, and
+    # tests/models/test_hf_eager_attention.py checks them against plain compile)
+    *layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-padded", Gemma2,
+                 kernel_counts("rope", out_proj=False), [
+        (BF16, GPD256, False, "right"), (BF16, GPD256, False, "ones"), (FP32, GPD256, False, "right"),
+    ]),
+    # ... not with fp16's fill, which does not absorb the scores
+    *[dataclasses.replace(c, near_miss="does not absorb the scores")
+      for c in layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-padded", Gemma2,
+                           always(rope=LAYERS), [(FP16, GPD256, False, "right")])],
+    # ... and in training a near miss: such a row differentiates a uniform softmax
+    *[dataclasses.replace(c, near_miss="differentiates a uniform softmax")
+      for c in layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-padded", Gemma2,
+                           always(rope=LAYERS), [(BF16, G77, True, "right")], SOFTCAP_TRAINING)],
     # ... by default inference only: in training the near miss names the setting
     *layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-default", Gemma2, kernel_counts("rope"), [
         (BF16, G513, False, None),

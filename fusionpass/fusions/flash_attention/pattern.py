@@ -115,14 +115,12 @@ def _eager_search(node: fx.Node) -> Match | None:
         mk = masks.classify(e.mask)
         if mk.kind not in _EAGER_KINDS:
             raise NearMiss(f"eager attention mask not provable: {mk.detail}")
-        if mk.runtime and e.sinks is None:
-            raise NearMiss(
-                f"eager attention mask with run-time key padding ({mk.detail}): a query row that sees no "
-                "key averages every value under the additive mask, and is 0 in the kernel"
-            )
         if mk.runtime:
             # with sinks a row that sees no key attends to its sink alone under the additive mask
-            # too (each fill is far below the sink's logit): out 0, no gradient, as in the kernel
+            # too (each fill is far below the sink's logit): out 0, no gradient, as in the kernel;
+            # without, it averages every value, which the replacement writes (empty_rows)
+            if e.sinks is None:
+                _eager_empty_rows_reproducible(e, mk, args)
             key_padding = ak.key_padding_vector(mk, e.mask, args)
         if mk.kind == "sliding_window" and (mk.window is None or mk.window < 1):
             raise NearMiss(f"{mk.detail} without a causal bound: the kernel's window needs one")
@@ -149,8 +147,30 @@ def _eager_search(node: fx.Node) -> Match | None:
         anchor=node,
         nodes=list(e.nodes),
         bindings=dict(args=args, mask=e.mask, mask_nodes=mask_nodes, kind=kind,
-                      key=key, value=value, key_padding=key_padding, shift=shift, window=window, eager=e),
+                      key=key, value=value, key_padding=key_padding, shift=shift, window=window, eager=e,
+                      empty_rows=key_padding is not None and e.sinks is None),
     )
+
+
+def _eager_empty_rows_reproducible(e: eager.Eager, mk: masks.MaskKind, args: dict) -> None:
+    """Eager attention under an additive mask with run-time key padding: a query row that sees no
+    key (left padding) gets scores that are all the fill, so it averages every value. The
+    replacement writes that average (`_average_empty_rows`) in inference, where the fill absorbs
+    the scores and the rows that see no key are known (Lq == Lk); in training that row also
+    differentiates a uniform softmax (through the soft-cap too), which the kernel does not."""
+    why = None
+    if e.mask_fill is None or not math.isfinite(e.mask_fill) or e.mask_fill > eager.ABSORBING_FILL:
+        why = f"its fill {e.mask_fill} does not absorb the scores (fp16's), so such a row is not a plain average"
+    elif _needs_grad(args):
+        why = "in training such a row differentiates a uniform softmax, which the kernel does not"
+    elif e.key_bias is not None or e.mask_bias is not None or e.dropout_p:
+        why = "with a bias or dropout, not wired"
+    elif mk.kind != "none" and not statically_known_true(
+            g.tensor(args["query"]).shape[-2] == g.tensor(args["key"]).shape[-2]):
+        why = "over a cache (Lq != Lk), where the rows that see no key are not wired"
+    if why is not None:
+        raise NearMiss(f"eager attention mask with run-time key padding ({mk.detail}): a query row that sees no "
+                       f"key averages every value under the additive mask; {why}")
 
 
 def _alibi_mask_search(node: fx.Node) -> Match | None:
@@ -254,6 +274,13 @@ def _average_empty_rows(graph: fx.Graph, out: fx.Node, b: dict, before: fx.Node)
     pad = b["key_padding"]  # [B, Lk] bool
     if b["kind"] == "causal":
         empty = call(torch.eq, call(torch.cumsum, pad, -1), 0)  # [B, Lq], Lq == Lk
+    elif b["kind"] == "sliding_window":
+        # row i sees keys i - window < j <= i: none kept iff the kept count up to i equals the count
+        # up to i - window (Lq == Lk; 0 before the first key)
+        seen = call(torch.cumsum, pad, -1)
+        before = call(operator.getitem, call(torch.nn.functional.pad, seen, (b["window"], 0)),
+                      (Ellipsis, slice(None, -b["window"])))
+        empty = call(torch.eq, seen, before)
     else:
         empty = call(torch.logical_not, call(torch.any, pad, -1, True))  # [B, 1]
     empty = call(operator.getitem, empty, (slice(None), None, slice(None), None))
