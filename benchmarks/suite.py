@@ -277,6 +277,9 @@ FAMILY_WIDTHS = {
     "gpt2": ("GPT-2 small", dict(n_embd=768, hidden_size=768, n_head=12, num_attention_heads=12, vocab_size=50257)),
     "mixtral": ("Mixtral-8x7B", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                      num_key_value_heads=8, head_dim=128, vocab_size=32000, num_local_experts=8)),
+    "gpt_oss": ("gpt-oss-20b, 8 of its 32 experts", dict(
+        hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        vocab_size=201088, num_local_experts=8, num_experts_per_tok=4, sliding_window=128)),
     "qwen3_moe": ("Qwen3-30B-A3B, 16 of its 128 experts", dict(
         hidden_size=2048, moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         vocab_size=151936, num_experts=16, num_experts_per_tok=8)),
