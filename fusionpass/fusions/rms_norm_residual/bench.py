@@ -50,18 +50,18 @@ QK_NORM_WIDTH, QK_NORM_HEADS = 128, 16
 OPENED = {"rms_norm_min_width": 1, "rms_norm_max_width": 1 << 20, "rms_norm_train_max_width": 1 << 20}
 
 
-def _selected(width: int, train: bool) -> bool:
-    from fusionpass.cost import mode
-    from fusionpass.fusions.rms_norm_residual.pattern import PARTIAL_CHUNK, WIDTH
-
-    return WIDTH.check(width, mode(train)) is None and PARTIAL_CHUNK.check(width, mode(train)) is None
-
-
 def _kernel_excludes(width: int, train: bool) -> bool:
     from fusionpass.cost import mode
     from fusionpass.fusions.rms_norm_residual.pattern import PARTIAL_CHUNK
 
     return PARTIAL_CHUNK.check(width, mode(train)) is not None
+
+
+def _selected(width: int, train: bool) -> bool:
+    from fusionpass.cost import mode
+    from fusionpass.fusions.rms_norm_residual.pattern import WIDTH
+
+    return WIDTH.check(width, mode(train)) is None and not _kernel_excludes(width, train)
 
 
 def rms_norm_widths_cases(smoke):
