@@ -80,10 +80,11 @@ CASES = [
     *[dataclasses.replace(c, near_miss="does not absorb the scores")
       for c in layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-padded", Gemma2,
                            always(rope=LAYERS), [(FP16, GPD256, False, "right")])],
-    # ... and in training a near miss: such a row differentiates a uniform softmax
+    # ... and in training a near miss: such a row differentiates a uniform softmax (at GPD256,
+    # as at G77 the window leaves rows empty and the float64 reference NaN)
     *[dataclasses.replace(c, near_miss="differentiates a uniform softmax")
       for c in layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-padded", Gemma2,
-                           always(rope=LAYERS), [(BF16, G77, True, "right")], SOFTCAP_TRAINING)],
+                           always(rope=LAYERS), [(BF16, GPD256, True, "right")], SOFTCAP_TRAINING)],
     # ... by default inference only: in training the near miss names the setting
     *layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-default", Gemma2, kernel_counts("rope"), [
         (BF16, G513, False, None),
