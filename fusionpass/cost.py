@@ -5,8 +5,8 @@ which is a `Config` setting (so the bounds stay user-settable: `rms_norm_min_wid
 FUSIONPASS_RMS_NORM_MIN_WIDTH); the rule reads it from the config it is checked against, or takes
 the field's default where no config is given (the docs). A fusion lists its
 rules in `Fusion.cost`: `fusionpass list`, the README and docs/fusions.md state them from this
-data, and its guards call `check`, whose reason states the rule ("row width 1024 outside
-2048..8192 in training"). Why a rule exists, and the measurements behind it, are in the fusion's
+data, and its guards call `check`, whose reason states the rule ("row width 16384 outside
+512..8192 in training"). Why a rule exists, and the measurements behind it, are in the fusion's
 `evidence` file (benchmarks/results/latest/<fusion>.md), not here.
 """
 from __future__ import annotations
@@ -163,36 +163,71 @@ class Range:
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-    """Selected in a mode where the measured shape class nearest the value (by ratio) was faster
-    than plain compile. `speedups`: mode -> {shape class: plain / fusionpass}, the table a benchmark
-    topic measured (the fusion folder's generated cost_table.py); `source`, its result file. A mode
-    without rows is not decided here (the fusion's other rules are)."""
+    """Selected in a mode where the measured shape class nearest the value (by ratio) was at least
+    `least` times as fast as plain compile. `speedups`: mode -> {shape class: plain / fusionpass},
+    the table a benchmark topic measured (the fusion folder's generated cost_table.py); `source`,
+    its result file. Values outside the span of the measured classes, and modes without rows, are
+    not selected: there is no measurement to stand on. `least` is a number or an options field (a
+    user-settable bound); at 0 or below the rule is open."""
 
     what: str
     speedups: Mapping[str, Mapping[int, float]]
     source: str
+    least: Bound = 1.0
 
     def nearest(self, value: int, mode: str) -> tuple[int, float] | None:
         rows = self.speedups.get(mode) or {}
-        if not rows or value <= 0:
+        if not rows or not min(rows) <= value <= max(rows):
             return None
         measured = min(rows, key=lambda c: (abs(math.log(value / c)), c))
         return measured, rows[measured]
 
     def check(self, value: int, mode: str, cfg=None) -> str | None:
-        found = self.nearest(value, mode)
-        if found is None or found[1] >= 1.0:
+        least = _value(self.least, cfg)
+        if least <= 0:
             return None
+        rows = self.speedups.get(mode) or {}
+        if not rows:
+            return f"{self.what} {value}: not measured in {mode} ({self.source})"
+        found = self.nearest(value, mode)
+        if found is None:
+            return f"{self.what} {value} outside the measured {min(rows)}..{max(rows)} in {mode} ({self.source})"
         measured, speedup = found
-        return (f"{self.what} {value} in {mode}: at {measured}, the nearest measured, plain compile was faster "
-                f"({speedup:.3g}x; {self.source})")
+        if speedup >= least:
+            return None
+        return (f"{self.what} {value} in {mode}: at {measured}, the nearest measured, fusionpass was "
+                f"{speedup:.3g}x plain compile, under {least:g}x ({self.source})")
 
     def check_sizes(self, sizes: Sizes, mode: str, cfg=None) -> str | None:
         """Over a symbolic size: at its hint (else its lower bound), as Range.check_sizes decides."""
         return self.check(sizes.hint if sizes.hint is not None else max(sizes.lo, 1), mode, cfg)
 
     def describe(self, names: Mapping[str, str], cfg=None) -> str:
-        return f"{self.what} where the nearest measured class was faster than plain compile ({self.source})"
+        least = _value(self.least, cfg)
+        return (f"{self.what} where the nearest measured class was at least {least:g}x plain compile"
+                f"{_names((self.least,), names)} ({self.source})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Either:
+    """Selected where either rule selects (e.g. a fusion leaner at large sizes and faster at some
+    smaller ones); the reason names both."""
+
+    first: Range | Measured
+    second: Range | Measured
+
+    def check(self, value: int, mode: str, cfg=None) -> str | None:
+        first = self.first.check(value, mode, cfg)
+        second = None if first is None else self.second.check(value, mode, cfg)
+        return None if second is None else f"{first}; nor {second}"
+
+    def check_sizes(self, sizes: Sizes, mode: str, cfg=None) -> str | None:
+        first = self.first.check_sizes(sizes, mode, cfg)
+        second = None if first is None else self.second.check_sizes(sizes, mode, cfg)
+        return None if second is None else f"{first}; nor {second}"
+
+    def describe(self, names: Mapping[str, str], cfg=None) -> str:
+        return f"{self.first.describe(names, cfg)}, or {self.second.describe(names, cfg)}"
 
 
 @dataclasses.dataclass(frozen=True)

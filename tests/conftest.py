@@ -6,10 +6,12 @@ is imported; the tests then run every Triton kernel on CPU tensors.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# The tests build narrow models (width 512) to stay fast on two cores; rms_norm_residual's GPU
-# cost rule starts at width 2048, so lower it here (test_width_cost_rule checks the default).
-os.environ.setdefault("FUSIONPASS_RMS_NORM_MIN_WIDTH", "512")
-# Likewise layer_norm_dropout_residual's (default 512): tiny HF models are 64-128 wide.
+# rms_norm_residual's GPU cost rules take only the widths its measured table found faster than
+# plain compile (fusions/rms_norm_residual/cost_table.py); the tests check the kernels wherever a
+# setting may select them, so that rule is open here (test_measured_rule_selects_where_the_table_
+# says_faster checks it).
+os.environ.setdefault("FUSIONPASS_RMS_NORM_MIN_SPEEDUP", "0")
+# layer_norm_dropout_residual's width bounds (default 768): tiny HF models are 64-128 wide.
 os.environ.setdefault("FUSIONPASS_LAYER_NORM_MIN_WIDTH", "64")
 os.environ.setdefault("FUSIONPASS_LAYER_NORM_INFERENCE_MIN_WIDTH", "64")
 

@@ -684,15 +684,17 @@ def forward(self, L_x_, L_r_, L_self_modules_norm_parameters_weight_):
     "width,train,reason",
     [
         (8192, True, None),
-        (8192, False, "row width 8192 outside 2048..4096 in inference"),
+        (8192, False, None),
         (16384, True, "row width 16384 outside 2048..8192 in training"),
+        (16384, False, "row width 16384 outside 2048..8192 in inference"),
         (3072, True, None),
         (3072, False, "row width 3072 in 2049..4095 in inference (the forward's second chunk is partial)"),
     ],
 )
 def test_width_rule_by_mode(width, train, reason):
-    """Training takes rows up to 8192, inference up to 4096 and not 2049..4095 (the default rule,
-    fusions/rms_norm_residual/pattern.py WIDTH and PARTIAL_CHUNK). The rule is read from the graph: no_grad makes it inference."""
+    """Both modes take rows up to 8192, inference not 2049..4095 (fusions/rms_norm_residual/
+    pattern.py WIDTH and PARTIAL_CHUNK; the measured rule opened, as conftest.py does). The rule is
+    read from the graph: no_grad makes it inference."""
 
     class AddNorm(nn.Module):
         def __init__(self):
@@ -711,6 +713,24 @@ def test_width_rule_by_mode(width, train, reason):
     else:
         assert record.matches == {}
         assert record.near_misses and all(reason in why for _, _, why in record.near_misses)
+
+
+@pytest.mark.parametrize("width", [1024, 2048, 4096, 8192])
+@pytest.mark.parametrize("train", [True, False])
+def test_measured_rule_selects_where_the_table_says_faster(width, train):
+    """At the default min_speedup (1), a width is fused where its nearest measured class in the
+    fusion's cost_table.py was faster than plain compile, and the near miss cites the table."""
+    from fusionpass.cost import mode
+    from fusionpass.fusions.rms_norm_residual.pattern import MEASURED
+
+    (_, speedup) = MEASURED.nearest(width, mode(train))
+    x = inputs(FP32, batch=1, seq=2, width=width)
+    with torch.set_grad_enabled(train):
+        _, _, record = fused_graph(block(lambda: LlamaRMSNorm(width=width), FP32, width=width), x,
+                                   fusions=[FUSION], rms_norm_min_width=1, rms_norm_min_speedup=1.0)
+    assert (sum(record.matches.values()) > 0) == (speedup >= 1.0)
+    if speedup < 1.0:
+        assert all("the nearest measured" in why and "rms_norm_widths.md" in why for _, _, why in record.near_misses)
 
 
 def test_not_selected_in_training_while_inductor_autotunes():

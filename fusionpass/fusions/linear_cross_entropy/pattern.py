@@ -40,7 +40,8 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusionpass import registry
-from fusionpass.cost import Range, fields
+from fusionpass.cost import Either, Measured, Range, fields, mode
+from fusionpass.fusions.linear_cross_entropy import cost_table
 from fusionpass.patterns import graph as g
 from fusionpass.patterns.softcap import literal, softcap_of
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
@@ -386,22 +387,34 @@ def shapes_supported(m: Match, cfg) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The bound of linear_cross_entropy's cost rule (`VOCAB`)."""
+    """The bounds of linear_cross_entropy's cost rule (`VOCAB`)."""
 
-    min_vocab: int = option(100_000, "smallest vocabulary fused")
+    min_vocab: int = option(100_000, "smallest vocabulary fused for its memory, faster or not")
+    min_speedup: float = option(
+        1.0, "below min_vocab: least plain / fusionpass, at the nearest measured vocabulary, to fuse (0: any)")
 
 
 FIELDS = fields(Options)
 
 
-# The cost rule: LLM-sized vocabularies only; below them Inductor's own loss is faster (why:
-# benchmarks/results/latest/linear_cross_entropy.md).
-VOCAB = Range.always("classes", FIELDS.min_vocab, None)
+# The cost rule. From min_vocab classes the logits the op never writes are most of the loss's
+# peak memory, so it is selected there even where it is a little slower (LEANER); below, only
+# where the nearest measured vocabulary was faster (FASTER: cost_table.py, generated from
+# benchmarks/results/latest/linear_cross_entropy_vocabs.md, the loss alone in training). A graph
+# that returns the logits makes the op write them too, which that table did not time: such a
+# match is selected for its memory only.
+LEANER = Range.always("classes", FIELDS.min_vocab, None)
+FASTER = Measured("classes", cost_table.SPEEDUPS, cost_table.SOURCE, FIELDS.min_speedup)
+VOCAB = Either(LEANER, FASTER)
 
 
 def vocab_large_enough(m: Match, cfg) -> str | None:
-    vocab = g.static_int(g.tensor(m.bindings["chain"].weight).shape[0])
-    return VOCAB.check(vocab, "inference", cfg)
+    chain = m.bindings["chain"]
+    vocab = g.static_int(g.tensor(chain.weight).shape[0])
+    if m.bindings["return_logits"]:
+        return LEANER.check(vocab, "training", cfg)
+    training = any(getattr(g.tensor(n), "requires_grad", False) for n in (chain.h, chain.weight))
+    return VOCAB.check(vocab, mode(training), cfg)
 
 
 def _returned(user: fx.Node, logits: fx.Node) -> bool:
@@ -501,7 +514,8 @@ LINEAR_CROSS_ENTROPY = registry.register(
             "CUDA tensors, float32/float16/bfloat16 h and weight of one dtype, class-index "
             "targets, constant ignore_index and label_smoothing, reduction mean or sum, no "
             "class weights, logits used "
-            "by nothing but the loss and the graph's outputs"
+            "by nothing but the loss and the graph's outputs; below the memory bound, "
+            "only where the graph does not return the logits"
         ),
         anchor=is_cross_entropy,
         variants=tuple(Variant(name, _search(name, accepts)) for name, accepts in VARIANTS),

@@ -27,16 +27,9 @@ class LlamaAddRMSNorm(nn.Module):
 
 def rms_norm_residual_cases(smoke):
     rows = 8 if smoke else 16384
-    cases = [
-        Case(f"Llama add+RMSNorm {rows}x4096", rows_module(LlamaAddRMSNorm, rows, 4096), True,
-             ("rms_norm_residual",), True),
-        Case(f"Llama add+RMSNorm {rows}x4096", rows_module(LlamaAddRMSNorm, rows, 4096), False,
-             ("rms_norm_residual",), True),
-        # below rms_norm_min_width: Inductor's own fused reduction wins at narrow rows
-        Case(f"Llama add+RMSNorm {rows}x1024", rows_module(LlamaAddRMSNorm, rows, 1024), True,
-             ("rms_norm_residual",), False, {"rms_norm_min_width": 1}),
-    ]
-    return cases
+    return [Case(f"Llama add+RMSNorm {rows}x{width}", rows_module(LlamaAddRMSNorm, rows, width), train,
+                 ("rms_norm_residual",), _selected(width, train), OPENED)
+            for width, train in ((4096, True), (4096, False), (1024, True))]
 
 
 # The shape classes the cost rule is measured on: the hidden sizes of checkpoints users train
@@ -47,7 +40,8 @@ def rms_norm_residual_cases(smoke):
 # of Qwen3 and OLMo-2 (width 128, one row per token and head).
 WIDTHS = (896, 960, 1024, 1152, 1536, 2048, 2304, 2560, 2880, 3072, 3584, 4096, 5120, 7168, 8192)
 QK_NORM_WIDTH, QK_NORM_HEADS = 128, 16
-OPENED = {"rms_norm_min_width": 1, "rms_norm_max_width": 1 << 20, "rms_norm_train_max_width": 1 << 20}
+OPENED = {"rms_norm_min_width": 1, "rms_norm_max_width": 1 << 20, "rms_norm_train_max_width": 1 << 20,
+          "rms_norm_min_speedup": 0.0}
 
 
 def _kernel_excludes(width: int, train: bool) -> bool:
@@ -59,9 +53,9 @@ def _kernel_excludes(width: int, train: bool) -> bool:
 
 def _selected(width: int, train: bool) -> bool:
     from fusionpass.cost import mode
-    from fusionpass.fusions.rms_norm_residual.pattern import WIDTH
+    from fusionpass.fusions.rms_norm_residual.pattern import width_rule
 
-    return WIDTH.check(width, mode(train)) is None and not _kernel_excludes(width, train)
+    return width_rule(width, mode(train)) is None
 
 
 def rms_norm_widths_cases(smoke):

@@ -17,7 +17,8 @@ import torch
 import torch.fx as fx
 
 from fusionpass import registry
-from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Excluded, Range, fields, mode
+from fusionpass.cost import NOT_AUTOTUNED_TRAINING, Excluded, Measured, Range, fields, mode
+from fusionpass.fusions.rms_norm_residual import cost_table
 from fusionpass.kernels.common import TWO_PASS_FWD
 from fusionpass.patterns import graph as g
 from fusionpass.registry import Fusion, Guard, Match, NearMiss, Variant, option
@@ -359,25 +360,30 @@ def weight_is_per_channel(m: Match, cfg) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The bounds of rms_norm_residual's cost rule (`WIDTH`)."""
+    """The bounds of rms_norm_residual's cost rules (`WIDTH`, `MEASURED`)."""
 
-    min_width: int = option(2048, "narrowest row fused")
-    max_width: int = option(4096, "widest row fused in inference")
+    min_width: int = option(512, "narrowest row fused (per-head q/k norms are at most 256 wide)")
+    max_width: int = option(8192, "widest row fused in inference")
     train_max_width: int = option(8192, "widest row fused where the norm is differentiated")
+    min_speedup: float = option(1.0, "least plain / fusionpass, at the nearest measured row width, to fuse (0: any)")
 
 
 FIELDS = fields(Options)
 
 
-# The cost rules (why: benchmarks/results/latest/rms_norm_residual.md). Narrow rows (per-head
-# QK-norm) stay with Inductor's fused code in both modes; training (the norm is differentiated)
-# takes wider rows than inference, where rows the forward kernel runs in two chunks with a partial
-# second one (kernels/common.py, TWO_PASS_FWD) stay with Inductor too.
+# The cost rules. Inside the widest and narrowest rows measured, each mode takes the row widths
+# whose nearest measured class was faster than plain compile (cost_table.py, generated from
+# benchmarks/results/latest/rms_norm_widths.md). Per-head q/k norms (rows of one head, narrower
+# than min_width) stay with Inductor, which fuses them with the rotation after them: the measured
+# class of such rows times the norm alone, not against that fused code. Rows the forward kernel
+# runs in two chunks with a partial second one (kernels/common.py, TWO_PASS_FWD) stay with
+# Inductor in inference.
 WIDTH = Range(
     "row width",
     training=(FIELDS.min_width, FIELDS.train_max_width),
     inference=(FIELDS.min_width, FIELDS.max_width),
 )
+MEASURED = Measured("row width", cost_table.SPEEDUPS, cost_table.SOURCE, FIELDS.min_speedup)
 PARTIAL_CHUNK = Excluded(
     "row width", TWO_PASS_FWD[0] + 1, TWO_PASS_FWD[1] - 1,
     "the forward's second chunk is partial", modes=("inference",),
@@ -389,7 +395,12 @@ def width_in_range(m: Match, cfg) -> str | None:
     if width is None:
         return "row width is symbolic (the kernel is specialized on it)"
     training = mode(bool(getattr(g.tensor(m.bindings["y"]), "requires_grad", False)))
-    return WIDTH.check(width, training, cfg) or PARTIAL_CHUNK.check(width, training, cfg)
+    return width_rule(width, training, cfg)
+
+
+def width_rule(width: int, mode: str, cfg=None) -> str | None:
+    """Why rows of `width` are not fused in `mode` (None: they are), by the cost rules."""
+    return WIDTH.check(width, mode, cfg) or MEASURED.check(width, mode, cfg) or PARTIAL_CHUNK.check(width, mode, cfg)
 
 
 def rows_contiguous(m: Match, cfg) -> str | None:
@@ -439,7 +450,7 @@ RMS_NORM_RESIDUAL = registry.register(
         summary="RMSNorm (Llama/Mistral/Qwen/Phi-3, Gemma's `1 + w`, T5, `nn.RMSNorm`) with the residual add before it",
         options=Options,
         settings_prefix="rms_norm",
-        cost=(WIDTH, PARTIAL_CHUNK, NOT_AUTOTUNED_TRAINING),
+        cost=(WIDTH, MEASURED, PARTIAL_CHUNK, NOT_AUTOTUNED_TRAINING),
         matches=(
             "RMSNorm (HF Llama/Mistral/Qwen2/Qwen3/Phi-3 `w * n.to(dtype)`, Gemma `1 + w` in fp32, "
             "T5, plain fp32; torch_rms_norm: `nn.RMSNorm` / `F.rms_norm`, torchtitan's), with the "
