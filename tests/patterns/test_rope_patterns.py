@@ -129,6 +129,27 @@ class QueryOnlyRope(LlamaRope):
         return q * cos + rotate_half(q) * sin, k * 2
 
 
+class GptOssRope(nn.Module):
+    """HF gpt-oss: cos/sin [1, S, D/2], q and k chunked into halves, cat(x1 cos - x2 sin,
+    x2 cos + x1 sin). `swapped`: the second half written x1 cos + x2 sin (not a rotation)."""
+
+    def __init__(self, swapped=False):
+        super().__init__()
+        self.swapped = swapped
+        self.register_buffer("cos", _freqs(D).cos())
+        self.register_buffer("sin", _freqs(D).sin())
+
+    def _rotate(self, x, cos, sin):
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        second = x1 * cos + x2 * sin if self.swapped else x2 * cos + x1 * sin
+        return torch.cat((x1 * cos - x2 * sin, second), dim=-1)
+
+    def forward(self, q, k):
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
 def _qk(dtype=FP32, hq=4, hkv=2, seq=S):
     return torch.randn(B, seq, hq, D).to(dtype), torch.randn(B, seq, hkv, D).to(dtype)
 
@@ -139,6 +160,7 @@ CASES = {
     "gptj_partial": (GPTJRope, lambda: _qk(hkv=4), counts(interleaved_partial=1)),
     "gptj_full": (lambda: GPTJRope(None), lambda: _qk(hkv=4), counts(interleaved=1)),
     "query_only": (QueryOnlyRope, lambda: _qk(), counts(rotate_half_single=1)),
+    "gpt_oss_halves": (GptOssRope, lambda: _qk(), counts(halves=1)),
 }
 
 
@@ -261,6 +283,14 @@ class LeakyRope(LlamaRope):
         cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
         rotated = rotate_half(q)
         return q * cos + rotated * sin, rotated
+
+
+def test_halves_not_a_rotation_left_alone(opted_in):
+    # x1 cos + x2 sin in the second half: the shape of gpt-oss's rotation, not its arithmetic
+    module, args = GptOssRope(swapped=True), _qk()
+    got, stats = compile_and_count(module, *args, fusions=[FUSION])
+    assert stats == {}
+    assert_outcomes_close(got, eager(module, *args))
 
 
 def test_intermediate_used_elsewhere(opted_in):

@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 
 from fusionpass.bench_cases import Case, on_device
-from fusionpass.fusions.rope.cases import LlamaRope
+from fusionpass.fusions.rope.cases import GptOssRope, LlamaRope
 
 ORDER = 40
 
 
-def llama_rope(b, s, hq, hkv, d):
+def llama_rope(b, s, hq, hkv, d, module_class=LlamaRope):
 
     def build(device, dtype):
-        module = on_device(device, lambda: LlamaRope(d)).to(dtype)
+        module = on_device(device, lambda: module_class(d)).to(dtype)
         q = torch.randn(b, s, hq * d, device=device, dtype=dtype)
         k = torch.randn(b, s, hkv * d, device=device, dtype=dtype)
         return module, (q, k, torch.arange(s, device=device).repeat(b, 1))
@@ -31,6 +31,9 @@ def rope_cases(smoke):
         # above rope_max_bytes (160 MiB of q and k)
         Case("HF rotate_half q/k B4 H32/8 S4096 D128", llama_rope(4, 4096, 32, 8, 128), True, fusion, False,
              {"rope_kernel": True}),
+        # gpt-oss-20b's q and k (64/8 heads of 64) in its rotation of halves, one B4 S2048 batch
+        Case("gpt-oss halves q/k B4 H64/8 S2048 D64", llama_rope(4, 2048, 64, 8, 64, GptOssRope), True, fusion,
+             True),
     ]
 
 

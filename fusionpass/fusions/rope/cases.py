@@ -8,6 +8,7 @@ position ids inside the module (so they never require grad), q/k as views of pro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import torch
@@ -183,6 +184,36 @@ class GPTJKeyPartialRope(GPTJRope):
         return torch.cat([self.rotate(k[:, :, :, :r], sin, cos), k[:, :, :, r:]], dim=-1).permute(0, 2, 1, 3)
 
 
+class GptOssRope(nn.Module):
+    """HF gpt-oss: cos/sin [B, S, D/2] (the frequencies once, not repeated), q and k chunked into
+    halves and rotated as cat(x1 cos - x2 sin, x2 cos + x1 sin). `query_only`: q alone."""
+
+    def __init__(self, head_dim, query_only=False):
+        super().__init__()
+        self.head_dim, self.query_only = head_dim, query_only
+        self.register_buffer("inv_freq", 1.0 / 150000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+
+    @staticmethod
+    def rotate(x, cos, sin):
+        first, second = torch.chunk(x, 2, dim=-1)
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+    def forward(self, q, k, position_ids):
+        q, k = _heads(q, self.head_dim), _heads(k, self.head_dim)
+        inv_freq = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        freqs = (inv_freq @ position_ids[:, None, :].float()).transpose(1, 2)
+        cos, sin = freqs.cos().to(q.dtype).unsqueeze(1), freqs.sin().to(q.dtype).unsqueeze(1)
+        if self.query_only:
+            return self.rotate(q, cos, sin), k
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+
+
+def _rope_gpt_oss(shape, query_only=False):
+    b, s, hq, hkv, d, start = shape
+    q, k = torch.randn(b, s, hq * d), torch.randn(b, s, hkv * d)
+    return GptOssRope(d, query_only=query_only), (q, k, _positions(b, s, start))
+
+
 def _rope_llama(shape):
     b, s, hq, hkv, d, start = shape
     mod = LlamaRope(d)
@@ -277,6 +308,14 @@ def _rope_cases():
     for train in (True, False):
         cases.append(case("rope", "interleaved_partial_single", "gptj_keys_partial", BF16, _rope_shape_name(shape),
                           train, maker(_rope_gptj_keys_partial, shape), {"rope": 1}))
+    # gpt-oss's rotation of halves (cos and sin half as wide as q; its head dim 64, GQA), q and k
+    # together and q alone, every dtype
+    shape = (2, 67, 8, 2, 64, 0)
+    for (form, variant, query_only), dtype, train in itertools.product(
+            (("gpt_oss_halves", "halves", False), ("gpt_oss_query_only", "halves_single", True)),
+            ALL_DTYPES, (True, False)):
+        cases.append(case("rope", variant, form, dtype, _rope_shape_name(shape), train,
+                          maker(functools.partial(_rope_gpt_oss, query_only=query_only), shape), {"rope": 1}))
     return cases
 
 

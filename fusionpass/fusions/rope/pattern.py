@@ -5,6 +5,10 @@ The match starts at the `add` of
 with rot(x) one of the forms
     rotate_half  cat((-x[..., h:], x[..., :h]), dim=-1)                  HF Llama, GPT-NeoX, Phi-3
     interleaved  stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)  GPT-J rotate_every_two
+gpt-oss writes the rotation of halves itself, over cos and sin half as wide as x,
+    x1, x2 = chunk(x, 2, dim=-1);  cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+the arithmetic of rotate_half over cos and sin repeated twice, which the replacement builds
+(variants halves, halves_single; matched from x to the cat).
 Partial rotary (GPT-NeoX rotary_pct, Phi-3 partial_rotary_factor, GPT-J rotary_dim) writes
     x_rot, x_pass = x[..., :r], x[..., r:];  cat([x_rot * cos + rot(x_rot) * sin, x_pass], dim=-1)
 and is matched from x to the cat. The second rotation that reads the same cos and sin (k for q)
@@ -158,6 +162,57 @@ def interleaved(rot, x):
 FORMS = (("rotate_half", rotate_half), ("interleaved", interleaved))
 
 
+def _halves(x1, x2):
+    """x, chunk if x1, x2 = torch.chunk(x, 2, dim=-1) (or x.chunk), first and second; else None."""
+    if not all(g.is_call(n, (operator.getitem,)) and len(n.args) == 2 for n in (x1, x2)):
+        return None
+    chunk = x1.args[0]
+    if x2.args[0] is not chunk or (x1.args[1], x2.args[1]) != (0, 1):
+        return None
+    if not g.is_call(chunk, (torch.chunk, "chunk")) or len(chunk.users) != 2:
+        return None
+    args, kwargs = list(chunk.args[1:]), dict(chunk.kwargs)
+    chunks = kwargs.pop("chunks", args.pop(0) if args else None)
+    dim = kwargs.pop("dim", args.pop(0) if args else 0)
+    x = g.first_arg(chunk)
+    width = g.static_int(g.tensor(x).shape[-1]) if g.tensor(x) is not None else None
+    if args or kwargs or chunks != 2 or not _is_last_dim(dim, x) or width is None or width % 2:
+        return None
+    return x, chunk
+
+
+def _products(node) -> set | None:
+    """{(a, b), (b, a)} pairs of both products of node = a * b (op) c * d, or None."""
+    pair = g.binary_operands(node) if isinstance(node, fx.Node) else None
+    if pair is None or not all(_is_mul(m) for m in pair):
+        return None
+    return pair
+
+
+def rotated_halves(cat: fx.Node):
+    """One rotation of halves: dict(x, out, cos, sin, rotary_dim, partial, nodes) as
+    rotated_tensor gives, cos and sin half as wide as x; or None."""
+    parts = joined(cat, "cat")
+    if parts is None or len(parts) != 2 or not g.is_op(parts[0], "sub") or not g.is_op(parts[1], "add"):
+        return None
+    first, second = _products(parts[0]), _products(parts[1])
+    if first is None or second is None:
+        return None
+    for x1, cos in g.commuted(first[0]):
+        for x2, sin in g.commuted(first[1]):
+            found = _halves(x1, x2)
+            if found is None or not isinstance(cos, fx.Node) or not isinstance(sin, fx.Node):
+                continue
+            # the second half: x2 * cos + x1 * sin, products and operands in any order
+            wanted = {frozenset((x2, cos)), frozenset((x1, sin))}
+            if {frozenset(m.args) for m in second} != wanted or len(wanted) != 2:
+                continue
+            x, chunk = found
+            return {"x": x, "out": cat, "cos": cos, "sin": sin, "rotary_dim": g.static_int(g.tensor(x).shape[-1]),
+                    "partial": False, "nodes": [cat, parts[0], parts[1], *first, *second, x1, x2, chunk]}
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # search
 
@@ -173,12 +228,21 @@ def _rotated_operand(node) -> bool:
 
 
 def anchor(node) -> bool:
-    """add of two products, one of which multiplies a cat or a flatten (the rotated x)."""
+    """add of two products, one of which multiplies a cat or a flatten (the rotated x); or a cat
+    of a difference and a sum of products (the rotation of halves)."""
+    if _halves_anchor(node):
+        return True
     if not g.is_op(node, "add") or g.binary_operands(node) is None:
         return False
     if not all(_is_mul(a) for a in node.args):
         return False
     return any(_rotated_operand(x) for m in node.args for x in m.args)
+
+
+def _halves_anchor(node) -> bool:
+    parts = joined(node, "cat")
+    return (parts is not None and len(parts) == 2 and g.is_op(parts[0], "sub") and g.is_op(parts[1], "add")
+            and _products(parts[0]) is not None and _products(parts[1]) is not None)
 
 
 def _rotation(add: fx.Node, form):
@@ -219,6 +283,8 @@ def _widened(x: fx.Node, out: fx.Node):
 
 def rotated_tensor(add: fx.Node, form):
     """One rotated tensor: dict(x, out, cos, sin, rotary_dim, partial, nodes), or None."""
+    if form is rotated_halves:
+        return rotated_halves(add)
     found = _rotation(add, form)
     if found is None:
         return None
@@ -392,18 +458,20 @@ def shapes_fit(m: Match, cfg) -> str | None:
             return "head dim is symbolic"
     if b["k"] is not None and g.static_int(tensors[1].shape[-1]) != g.static_int(tensors[0].shape[-1]):
         return "q and k head dims differ"
-    return cos_sin_misfit(b, rotary_dim, tensors)
+    return cos_sin_misfit(b, rotary_dim, tensors, halves=b["form"] == "halves")
 
 
-def cos_sin_misfit(b: dict, rotary_dim: int, tensors) -> str | None:
-    """Why the bindings' cos and sin cannot rotate `tensors` (4-d, last dim rotary_dim, the first
-    three dims 1 or the tensors'), or None (also rope_attention's check)."""
+def cos_sin_misfit(b: dict, rotary_dim: int, tensors, halves: bool = False) -> str | None:
+    """Why the bindings' cos and sin cannot rotate `tensors` (4-d, last dim rotary_dim, or half of
+    it for the rotation of halves, the first three dims 1 or the tensors'), or None (also
+    rope_attention's check)."""
+    width = rotary_dim // 2 if halves else rotary_dim
     for name in ("cos", "sin"):
         c = g.tensor(b[name])
         if c is None or c.dim() != 4:
             return f"{name} is not 4-d (broadcast as the rotation needs)"
-        if g.static_int(c.shape[-1]) != rotary_dim:
-            return f"{name} last dim {c.shape[-1]} is not the rotary dim {rotary_dim}"
+        if g.static_int(c.shape[-1]) != width:
+            return f"{name} last dim {c.shape[-1]} is not {'half ' if halves else ''}the rotary dim {rotary_dim}"
         for t in tensors:
             for d in range(3):
                 if not (c.shape[d] == 1 or c.shape[d] == t.shape[d]):
@@ -512,12 +580,17 @@ def rope_call_args(call: fx.Node) -> dict:
 def replace(graph: fx.Graph, m: Match, cfg) -> None:
     b = m.bindings
     before = _last_input(m, _order(graph)).next
-    kwargs = dict(form=b["form"], rotary_dim=b["rotary_dim"])
+    cos, sin, form = b["cos"], b["sin"], b["form"]
+    if form == "halves":  # rotate_half over cos and sin repeated twice
+        cos, sin = (g.insert_call(graph, before, torch.cat, ((t, t),), b["q_out"], kwargs={"dim": -1})
+                    for t in (cos, sin))
+        form = "rotate_half"
+    kwargs = dict(form=form, rotary_dim=b["rotary_dim"])
     for name, x in (("q", b["q"]), ("k", b["k"])):
         out = b[f"{name}_out"]
         if out is not None and g.dtype(out) != g.dtype(x) and autocast.rounded_by_readers(out) is None:
             kwargs[f"{name}_out_dtype"] = g.dtype(out)  # fp32, as eager's promotion gives (guard dtype)
-    fused = g.insert_call(graph, before, torch.ops.fusionpass.rope.default, (b["q"], b["k"], b["cos"], b["sin"]),
+    fused = g.insert_call(graph, before, torch.ops.fusionpass.rope.default, (b["q"], b["k"], cos, sin),
                           b["q_out"], kwargs=kwargs)
     q_new, k_new = g.insert_getitems(graph, fused, 2)
     b["q_out"].replace_all_uses_with(q_new)
@@ -532,12 +605,14 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
 ROPE = registry.register(
     Fusion(
         name="rope",
-        summary='rotary embedding of q and k in one launch (HF `rotate_half`, GPT-J interleaved, partial rotary)',
+        summary='rotary embedding of q and k in one launch (HF `rotate_half`, GPT-J interleaved, gpt-oss halves, '
+                'partial rotary)',
         options=Options,
         cost=(ANY_SIZE, POSITIONS, SIZE, INTERLEAVED_SIZE, NOT_AUTOTUNED_TRAINING),
         matches=(
             "rotary embedding x * cos + rot(x) * sin with HF rotate_half (Llama, GPT-NeoX, Phi-3) or "
-            "GPT-J's interleaved rotate_every_two, partial rotary (slice + cat) included; q and k "
+            "GPT-J's interleaved rotate_every_two, partial rotary (slice + cat) included, or gpt-oss's "
+            "rotation of halves cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin); q and k "
             "sharing cos/sin are rotated by one call"
         ),
         selected_when=(
@@ -545,11 +620,13 @@ ROPE = registry.register(
             "over them, even rotary dim, cos/sin without grad"
         ),
         anchor=anchor,
-        variants=tuple(
-            Variant(_variant(name, partial, single), _search(name, form, partial, single))
-            for name, form in FORMS
-            for partial in (False, True)
-            for single in (False, True)
+        variants=(
+            *(Variant(_variant(name, partial, single), _search(name, form, partial, single))
+              for name, form in FORMS
+              for partial in (False, True)
+              for single in (False, True)),
+            *(Variant(_variant("halves", False, single), _search("halves", rotated_halves, False, single))
+              for single in (False, True)),
         ),
         guards=(
             Guard("device", device_supported),
