@@ -24,7 +24,7 @@ def _fixed_cross_entropy(source, target, num_items_in_batch=None, ignore_index=-
     return loss
 
 
-def _causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100):
+def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100):
     """transformers 5.x ForCausalLMLoss: upcast, pad the labels with one ignored position, shift."""
     logits = logits.float()
     labels = F.pad(labels, (0, 1), value=ignore_index)
@@ -51,7 +51,7 @@ class CausalLMHead(nn.Module):
             logits = logits / self.softcap
             logits = torch.tanh(logits)
             logits = logits * self.softcap
-        loss = _causal_lm_loss(logits, labels, self.vocab, num_items_in_batch)
+        loss = causal_lm_loss(logits, labels, self.vocab, num_items_in_batch)
         return (loss, logits) if not self.training else loss
 
 

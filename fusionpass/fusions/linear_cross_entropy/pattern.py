@@ -400,9 +400,9 @@ FIELDS = fields(Options)
 # The cost rule. From min_vocab classes the logits the op never writes are most of the loss's
 # peak memory, so it is selected there even where it is a little slower (LEANER); below, only
 # where the nearest measured vocabulary was faster (FASTER: cost_table.py, generated from
-# benchmarks/results/latest/linear_cross_entropy_vocabs.md, the loss alone in training). A graph
-# that returns the logits makes the op write them too, which that table did not time: such a
-# match is selected for its memory only.
+# benchmarks/results/latest/linear_cross_entropy_vocabs.md, measured in training). A graph that
+# returns the logits (the Trainer's step) makes the op write them too: its own mode of the table.
+LOGITS_RETURNED = ", logits returned"
 LEANER = Range.always("classes", FIELDS.min_vocab, None)
 FASTER = Measured("classes", cost_table.SPEEDUPS, cost_table.SOURCE, FIELDS.min_speedup)
 VOCAB = Either(LEANER, FASTER)
@@ -411,10 +411,8 @@ VOCAB = Either(LEANER, FASTER)
 def vocab_large_enough(m: Match, cfg) -> str | None:
     chain = m.bindings["chain"]
     vocab = g.static_int(g.tensor(chain.weight).shape[0])
-    if m.bindings["return_logits"]:
-        return LEANER.check(vocab, "training", cfg)
     training = any(getattr(g.tensor(n), "requires_grad", False) for n in (chain.h, chain.weight))
-    return VOCAB.check(vocab, mode(training), cfg)
+    return VOCAB.check(vocab, mode(training) + (LOGITS_RETURNED if m.bindings["return_logits"] else ""), cfg)
 
 
 def _returned(user: fx.Node, logits: fx.Node) -> bool:
@@ -514,8 +512,7 @@ LINEAR_CROSS_ENTROPY = registry.register(
             "CUDA tensors, float32/float16/bfloat16 h and weight of one dtype, class-index "
             "targets, constant ignore_index and label_smoothing, reduction mean or sum, no "
             "class weights, logits used "
-            "by nothing but the loss and the graph's outputs; below the memory bound, "
-            "only where the graph does not return the logits"
+            "by nothing but the loss and the graph's outputs"
         ),
         anchor=is_cross_entropy,
         variants=tuple(Variant(name, _search(name, accepts)) for name, accepts in VARIANTS),
