@@ -280,6 +280,9 @@ FAMILY_WIDTHS = {
     "gpt_oss": ("gpt-oss-20b, 8 of its 32 experts", dict(
         hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
         vocab_size=201088, num_local_experts=8, num_experts_per_tok=4, sliding_window=128)),
+    "bert": ("BERT-base", dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, vocab_size=30522)),
+    # (T5Config maps hidden_size and num_attention_heads onto d_model and num_heads)
+    "t5": ("T5-base", dict(hidden_size=768, d_ff=3072, num_attention_heads=12, head_dim=64, vocab_size=32128)),
     "qwen3_moe": ("Qwen3-30B-A3B, 16 of its 128 experts", dict(
         hidden_size=2048, moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         vocab_size=151936, num_experts=16, num_experts_per_tok=8)),
@@ -316,7 +319,7 @@ def family_cases(smoke):
         title = (f"{name}: the census's tiny config" if smoke else
                  f"{name}: {FAMILY_WIDTHS[name][0]} widths, {FAMILY_LAYERS}L")
         # (hf_model's smoke configs are not the census's: the config is built here either way)
-        build = hf_model(family.config, "AutoModelForCausalLM", family.attention, False, **family_config(name, smoke))
+        build = hf_model(family.config, family.model_class, family.attention, False, **family_config(name, smoke))
         for amp in (False, True):
             cases.append(ModelCase(title + (", Trainer autocast (fp32 weights)" if amp else ", bf16 weights"), build,
                                    True, batch, seq, all_ones_mask=True, autocast=amp))
