@@ -201,8 +201,8 @@ class Measured:
         measured, speedup = found
         if speedup >= least:
             return None
-        return (f"{self.what} {value} in {mode}: at {measured}, the nearest measured, fusionpass was "
-                f"{speedup:.3g}x plain compile, under {least:g}x ({self.source})")
+        return (f"{self.what} {value} in {mode}: at {measured}, the nearest measured, plain / fusionpass was "
+                f"{speedup:.3g}, under {least:g} ({self.source})")
 
     def check_sizes(self, sizes: Sizes, mode: str, cfg=None) -> str | None:
         """Over a symbolic size: at its hint (else its lower bound), as Range.check_sizes decides."""
@@ -210,7 +210,7 @@ class Measured:
 
     def describe(self, names: Mapping[str, str], cfg=None) -> str:
         least = _value(self.least, cfg)
-        return (f"{self.what} where the nearest measured class was at least {least:g}x plain compile"
+        return (f"{self.what} where plain / fusionpass at the nearest measured class was at least {least:g}"
                 f"{_names((self.least,), names)} ({self.source})")
 
 

@@ -38,8 +38,8 @@ def test_measured_nearest_class_decides(width, selected):
 
 def test_measured_reasons():
     assert MEASURED.check(8192, "training") == (
-        "row width 8192 in training: at 8192, the nearest measured, fusionpass was 0.9x plain compile, "
-        "under 1x (latest/rms_norm_widths.md)")
+        "row width 8192 in training: at 8192, the nearest measured, plain / fusionpass was 0.9, "
+        "under 1 (latest/rms_norm_widths.md)")
     assert MEASURED.check(896, "training") == (
         "row width 896 outside the measured 1024..8192 in training (latest/rms_norm_widths.md)")
     assert MEASURED.check(2048, "inference") == "row width 2048: not measured in inference (latest/rms_norm_widths.md)"
@@ -59,8 +59,8 @@ def test_either_selects_where_one_rule_does():
     assert rule.check(128256, "inference") is None  # the first
     assert rule.check(32000, "training") is None  # the second
     assert rule.check(50257, "training") == (
-        "classes 50257 < 100000; nor classes 50257 in training: at 50257, the nearest measured, fusionpass "
-        "was 0.8x plain compile, under 1x (t.md)")
+        "classes 50257 < 100000; nor classes 50257 in training: at 50257, the nearest measured, plain / "
+        "fusionpass was 0.8, under 1 (t.md)")
     assert rule.check(32000, "inference") is not None  # measured in training only
 
 
@@ -70,4 +70,4 @@ def test_a_mode_may_name_a_form():
     assert RULE.check(7, "training, logits returned") == "positions 7 outside 64..4096 in training, logits returned"
     table = Measured("classes", {"training": {32000: 1.1}, "training, logits returned": {32000: 0.9}}, "t.md")
     assert table.check(32000, "training") is None
-    assert "0.9x" in table.check(32000, "training, logits returned")
+    assert "was 0.9," in table.check(32000, "training, logits returned")
