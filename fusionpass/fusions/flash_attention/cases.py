@@ -97,20 +97,21 @@ CASES = [
       for c in layer_cases("flash_attention", "eager_softcap_kernel", "gemma2-eager-off", Gemma2,
                            always(rope=LAYERS), [(BF16, GPD256, False, None)], {"attention_softcap": False})],
     # gpt-oss's attention sinks (its head dim 64; GQA; a sliding-window layer and a full one), the
-    # sinks' gradient checked with every parameter's
-    *layer_cases("flash_attention", "eager_sinks_kernel", "gpt-oss-eager", GptOss, kernel_counts(), [
+    # sinks' gradient checked with every parameter's; its rotation of halves taken by the rope
+    # fusion, q's then moved into the kernel in inference
+    *layer_cases("flash_attention", "eager_sinks_kernel", "gpt-oss-eager", GptOss, kernel_counts("rope"), [
         (BF16, G77, True, None), (FP16, Shape(2, 8, 2, 513, 64), True, None), (BF16, G1000, False, None),
-        (BF16, Shape(1, 8, 1, 333, 128), True, None), (FP32, G77, True, None),
+        (BF16, Shape(1, 8, 1, 333, 128), True, None), (FP32, G77, True, None), (BF16, G77, False, None),
     ]),
     # ... under a collator's attention_mask (run-time key padding), rows that see no key included:
     # each attends to its sink alone, under the additive mask as in the kernel
-    *layer_cases("flash_attention", "eager_sinks_kernel", "gpt-oss-eager-padded", GptOss, kernel_counts(), [
+    *layer_cases("flash_attention", "eager_sinks_kernel", "gpt-oss-eager-padded", GptOss, kernel_counts("rope"), [
         (BF16, G77, True, "ones"), (BF16, Shape(2, 8, 2, 513, 64), True, "right"), (FP16, G77, True, "left_empty"),
         (BF16, G1000, False, "left"),
     ]),
     *[dataclasses.replace(c, near_miss="attention_sinks=False")
       for c in layer_cases("flash_attention", "eager_sinks_kernel", "gpt-oss-eager-off", GptOss,
-                           always(), [(BF16, G77, True, None)], {"attention_sinks": False})],
+                           always(rope=LAYERS), [(BF16, G77, True, None)], {"attention_sinks": False})],
     *layer_cases("flash_attention", "eager_alibi_kernel", "bloom-eager", Bloom, kernel_counts(), [
         (BF16, M77, True, None), (FP16, M513, False, None), (BF16, Shape(2, 12, 12, 1000, 80), True, None),
         (FP32, Shape(2, 12, 12, 1000, 80), True, None),
