@@ -20,7 +20,7 @@ import torch
 
 import fusionpass
 from fusionpass import registry
-from fusionpass.cost import MODES, Field, Range
+from fusionpass.cost import MODES, Either, Field, Measured, Range
 from fusionpass.explain import fresh_compile_caches
 
 
@@ -307,20 +307,29 @@ def say(message: str) -> None:
 
 
 def open_cost_rules() -> dict[str, int]:
-    """Settings that open every cost-rule bound held in a setting (lower bounds 0, upper bounds
-    unlimited): at the tiny sizes a CPU run can afford, the GPU-measured rules would keep most
-    fusions out. Opt-in switches (`rope_kernel`, ...) and kernel exclusions stay as they are."""
+    """Settings that open every cost-rule bound held in a setting (lower bounds and measured
+    rules' least speedups 0, upper bounds unlimited): at the tiny sizes a CPU run can afford, the
+    GPU-measured rules would keep most fusions out. Opt-in switches (`rope_kernel`, ...) and kernel
+    exclusions stay as they are."""
     opened: dict[str, int] = {}
-    for fusion in registry.registered().values():
-        for rule in fusion.cost:
-            if not isinstance(rule, Range):
-                continue
+
+    def open_rule(rule) -> None:
+        if isinstance(rule, Either):
+            open_rule(rule.first)
+            open_rule(rule.second)
+        elif isinstance(rule, Measured) and isinstance(rule.least, Field):
+            opened[registry.setting_of(rule.least.options, rule.least.name)] = 0
+        elif isinstance(rule, Range):
             for mode in MODES:
                 lo, hi = getattr(rule, mode) or (None, None)
                 if isinstance(lo, Field):
                     opened[registry.setting_of(lo.options, lo.name)] = 0
                 if isinstance(hi, Field):
                     opened[registry.setting_of(hi.options, hi.name)] = 2**62
+
+    for fusion in registry.registered().values():
+        for rule in fusion.cost:
+            open_rule(rule)
     return opened
 
 
