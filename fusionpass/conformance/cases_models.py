@@ -74,8 +74,8 @@ def _llama_like(hidden=2048, heads=16, kv_heads=4, head_dim=128, ffn=5632):
 LAYERS = 2
 TRAIN_ONLY, INFER_ONLY = (1, 0), (0, 1)
 # Llama-style decoder layers: two RMSNorms in training (the second fuses the attention's residual
-# add; in inference the norm measured slower than Inductor's at every width, its cost_table.py), RoPE, the
-# SwiGLU MLP in training (its recompute-product route; inference at these row counts stays with
+# add; in inference the norm measured slower than Inductor's at every width, its cost_table.py),
+# RoPE, the SwiGLU MLP in training (its recompute-product route; inference at these row counts stays with
 # Inductor, swiglu_mlp's cost rule); SDPA with transformers' causal mask proven causal ...
 SDPA_DECODER = {"rms_norm_residual": (2, 0), "rope": 1, "sdpa_mask": 1, "swiglu_mlp": TRAIN_ONLY}
 # ... or, in eager attention or under a sliding window, the attention kernel with its output
@@ -138,7 +138,8 @@ MODELS = {
     "gemma3": Model("Gemma3TextConfig", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False,
                     dict(_llama_like(heads=8, kv_heads=4, head_dim=256), sliding_window=129,
                          layer_types=["sliding_attention", "full_attention"]),
-                    layers=({**KERNEL_DECODER, "rms_norm_residual": (4, 0)}, {**SDPA_DECODER, "rms_norm_residual": (4, 0)}),
+                    layers=({**KERNEL_DECODER, "rms_norm_residual": (4, 0)},
+                            {**SDPA_DECODER, "rms_norm_residual": (4, 0)}),
                     once=FINAL_NORM),
     "qwen2": Model("Qwen2Config", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False, _llama_like(),
                    **_alike(SDPA_DECODER, once=FINAL_NORM)),

@@ -196,8 +196,8 @@ def rms_case(norm, block, dtype, shape, train) -> Case:
 
 # Default rule: 512..8192 in both modes where the measured table says faster (in training every
 # width; in inference none, so its cases open that rule: the kernels must be correct wherever a
-# setting can select them), in inference without a partial second forward chunk (2048 or 4096 of
-# these). 3001 (training only) takes the two-pass forward with a partial chunk, 4100 the one-pass
+# setting can select them), in inference without a partial second forward chunk (not 2049..4095).
+# 3001 (training only) takes the two-pass forward with a partial chunk, 4100 the one-pass
 # 8192-column tile, 1000 packs rows of a 1024-column tile.
 INFERENCE_OPENED = {"rms_norm_min_speedup": 0.0}
 R2048 = NormShape(8, 125, 2048)
