@@ -278,9 +278,9 @@ def _average_empty_rows(graph: fx.Graph, out: fx.Node, b: dict, before: fx.Node)
         # row i sees keys i - window < j <= i: none kept iff the kept count up to i equals the count
         # up to i - window (Lq == Lk; 0 before the first key)
         seen = call(torch.cumsum, pad, -1)
-        before = call(operator.getitem, call(torch.nn.functional.pad, seen, (b["window"], 0)),
-                      (Ellipsis, slice(None, -b["window"])))
-        empty = call(torch.eq, seen, before)
+        seen_before_window = call(operator.getitem, call(torch.nn.functional.pad, seen, (b["window"], 0)),
+                                  (Ellipsis, slice(None, -b["window"])))
+        empty = call(torch.eq, seen, seen_before_window)
     else:
         empty = call(torch.logical_not, call(torch.any, pad, -1, True))  # [B, 1]
     empty = call(operator.getitem, empty, (slice(None), None, slice(None), None))
