@@ -17,11 +17,13 @@ with the labels padded by one ignored position at the end of each sequence (exac
 
 The logits of the model dtype (after the soft-cap when there is one) may also be returned by the
 graph, as HF models do, also as an fp32 copy (accelerate's `convert_outputs_to_fp32` under the
-Trainer's mixed precision): the op then writes them once, in the model dtype. Any other use of the
-logits or of the fp32 copy is a near miss: the op never materializes them otherwise. The returned
-logits come out non-differentiable (their gradient would be the [N, V] tensor the op avoids), so a
-caller that backpropagates through `output.logits` gets an error from autograd, not a wrong
-gradient.
+Trainer's mixed precision), where they need no gradient (evaluation): the op then writes them once,
+in the model dtype. The op's logits are non-differentiable (their gradient would be the [N, V]
+tensor the op avoids), so returned logits that require grad are a near miss: a caller may add a
+second loss on them (distillation, a z-loss), whose gradient would otherwise be dropped without an
+error. A training loop that reads only the loss compiles `fusionpass.loss_only(model)`, as the
+Trainer integration does (fusionpass/hf_trainer.py). Any other use of the logits or of the fp32
+copy is a near miss: the op never materializes them otherwise.
 
 When the logits reach the loss as an input of the graph, the projection happened in another graph
 (a graph break; GPT-2 without `model.loss_type = "ForCausalLM"` computes its loss outside the
@@ -413,9 +415,14 @@ def _returned(user: fx.Node, logits: fx.Node) -> bool:
             and bool(user.users) and all(u.op == "output" for u in user.users))
 
 
+RETURNED_WITH_GRAD = "returned with requires_grad"
+
+
 def logits_private(m: Match, cfg) -> str | None:
     """Nodes of the chain are read only by the chain, except the model-dtype logits, which the
-    graph may return (then the op writes them)."""
+    graph may return where no gradient can reach them (then the op writes them). The op's logits
+    are non-differentiable: a caller may build a second loss on returned logits that require
+    grad (distillation, z-loss), and its gradient would be dropped without a word."""
     chain = m.bindings["chain"]
     inside = set(m.nodes)
     for node in chain.nodes:
@@ -423,6 +430,9 @@ def logits_private(m: Match, cfg) -> str | None:
         if not outside:
             continue
         if node is chain.logits and all(_returned(u, node) for u in outside):
+            if getattr(g.tensor(node), "requires_grad", False):
+                return (f"logits ({node.name}) {RETURNED_WITH_GRAD}: the fused op's logits carry no "
+                        "gradient; fusionpass.loss_only(model) drops them from the output")
             continue
         users = ", ".join(sorted(u.name for u in outside))
         what = "logits" if node is chain.logits or node is chain.head else "an intermediate of the logits"
