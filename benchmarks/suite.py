@@ -601,8 +601,6 @@ def kernel_topic(run: Run, topic: str, cases: list[Case], budget_s: float | None
                 "fusions": list(case.fusions), "default_rule": _rule(case)}
         if case.shape_class is not None:
             head["shape_class"] = case.shape_class
-        if case.cost_mode is not None:
-            head["cost_mode"] = case.cost_mode
         say(f"  [{topic} {i + 1}/{len(cases)}] {case.name}, {case.mode}")
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             rows.append({**head, "skipped": f"the topic's budget of {budget_s:.0f} s was spent"})
@@ -881,12 +879,12 @@ def trainer_compile_time_lines(latest: pathlib.Path = LATEST) -> list[str]:
 
 def cost_table_source(topic: str, rows: list[dict], env: dict) -> str | None:
     """The text of a fusion folder's cost_table.py from its COST_TABLE_TOPIC's rows: plain /
-    fusionpass per mode (a row's cost_mode where it has one) and shape class
+    fusionpass per mode and shape class
     (fusionpass.cost.Measured reads it); None without a measured row."""
     speedups: dict[str, dict[int, float]] = {}
     for row in rows:
         if row.get("shape_class") is not None and isinstance(row.get("ratio"), (int, float)):
-            mode = row.get("cost_mode") or ("training" if row["mode"] == "train" else "inference")
+            mode = "training" if row["mode"] == "train" else "inference"
             speedups.setdefault(mode, {})[int(row["shape_class"])] = float(row["ratio"])
     if not speedups:
         return None

@@ -41,9 +41,6 @@ class Case:
     # the size a measured cost rule reads (a row width, a vocabulary): set on the cases of a topic
     # whose table `benchmarks/suite.py --cost-tables` turns into the fusion's cost_table.py
     shape_class: int | None = None
-    # the cost table's mode for that row where it is not the case's mode alone (e.g. "training,
-    # logits returned": the form a rule reads apart)
-    cost_mode: str | None = None
 
     @property
     def mode(self) -> str:

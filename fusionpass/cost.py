@@ -62,12 +62,6 @@ def mode(training: bool) -> str:
     return "training" if training else "inference"
 
 
-def base_mode(mode: str) -> str:
-    """A mode may name a form after a comma ("training, logits returned"): a measured table keeps
-    that form's rows apart, while bounds read the mode before the comma."""
-    return mode.split(",", 1)[0]
-
-
 def _value(bound: Bound, cfg) -> int | None:
     """A bound's number: itself, or its field's value in `cfg` (a Config; None: the default)."""
     if isinstance(bound, Field):
@@ -114,7 +108,7 @@ class Range:
         return self.training != self.inference
 
     def bounds(self, mode: str, cfg=None) -> tuple[int | None, int | None] | None:
-        declared = getattr(self, base_mode(mode))
+        declared = getattr(self, mode)
         return None if declared is None else (_value(declared[0], cfg), _value(declared[1], cfg))
 
     def check(self, value: int, mode: str, cfg=None) -> str | None:
@@ -249,7 +243,7 @@ class Excluded:
 
     def check(self, value: int, mode: str, cfg=None) -> str | None:
         lo, hi = _value(self.lo, cfg), _value(self.hi, cfg)
-        if base_mode(mode) in self.modes and lo <= value <= hi:
+        if mode in self.modes and lo <= value <= hi:
             return f"{self.what} {value} in {lo}..{hi} in {mode} ({self.why})"
         return None
 
@@ -277,7 +271,7 @@ class NotAutotuned:
     modes: tuple[str, ...] = ("training",)
 
     def check(self, mode: str, cfg=None) -> str | None:
-        if base_mode(mode) in self.modes and autotuning():
+        if mode in self.modes and autotuning():
             return f"Inductor autotunes (max-autotune) in {mode} ({self.why})"
         return None
 

@@ -62,12 +62,3 @@ def test_either_selects_where_one_rule_does():
         "classes 50257 < 100000; nor classes 50257 in training: at 50257, the nearest measured, plain / "
         "fusionpass was 0.8, under 1 (t.md)")
     assert rule.check(32000, "inference") is not None  # measured in training only
-
-
-def test_a_mode_may_name_a_form():
-    # bounds read the mode before the comma; a measured table keeps the form's rows apart
-    assert RULE.check(100, "training, logits returned") is None
-    assert RULE.check(7, "training, logits returned") == "positions 7 outside 64..4096 in training, logits returned"
-    table = Measured("classes", {"training": {32000: 1.1}, "training, logits returned": {32000: 0.9}}, "t.md")
-    assert table.check(32000, "training") is None
-    assert "was 0.9," in table.check(32000, "training, logits returned")

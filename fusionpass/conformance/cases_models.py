@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from fusionpass.causal_lm import LossOnly, why_not_standard
 from fusionpass.conformance import FLOOR, Case, dtype_name
 
 _NO_DROPOUT = dict(attention_dropout=0.0, hidden_dropout=0.0)
@@ -223,18 +224,23 @@ for _name in ("llama", "qwen2"):
 class TrainerLM(nn.Module):
     """A step as the HF Trainer with bf16=True runs it: accelerate's autocast around the forward, a
     collator's all-ones attention_mask, and the returned logits converted to fp32
-    (`convert_outputs_to_fp32`). The float64 reference is unchanged by the autocast (float64 tensors
-    are not autocast's to cast), so it is the exact function the bf16 computation approximates.
-    `autocast=False`: the same step of a bf16 model without bf16=True (the census's bf16 mode)."""
+    (`convert_outputs_to_fp32`). With fusionpass installed, the Trainer's compute_loss runs a model
+    of the standard causal-LM forward through loss_only (fusionpass/hf_trainer.py): no logits are
+    returned then, so the loss can fuse; other models return logits that require grad, which keeps
+    the loss out of linear_cross_entropy. The float64 reference is unchanged by the autocast (float64
+    tensors are not autocast's to cast), so it is the exact function the bf16 computation
+    approximates. `autocast=False`: the same step of a bf16 model without bf16=True (the census's
+    bf16 mode)."""
 
     def __init__(self, model, autocast: bool = True):
         super().__init__()
-        self.model, self.autocast = model, autocast
+        self.autocast = autocast
+        self.model = LossOnly(model) if why_not_standard(model) is None else model
 
     def forward(self, input_ids, labels):
         with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=labels)
-        return out.loss, out.logits.float()
+        return (out.loss,) if out.logits is None else (out.loss, out.logits.float())
 
 
 class _CheckpointedTrainerLM(TrainerLM):

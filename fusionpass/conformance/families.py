@@ -42,6 +42,12 @@ MODES = ("bf16", "trainer-amp")
 # residual add), RoPE, the attention kernel and its output projection, the SwiGLU MLP.
 LLAMA_LAYER = {"rms_norm_residual": 2, "rope": 1, "flash_attention": 1, "attention_out_proj": 1, "swiglu_mlp": 1}
 LLAMA_ONCE = {"rms_norm_residual": 1, "linear_cross_entropy": 1}
+# A forward other than transformers' standard causal-LM forward (soft-capped or scaled logits, a
+# router's auxiliary loss) is not routed through loss_only (fusionpass/hf_trainer.py): the step
+# returns logits that require grad, which keeps the loss out of linear_cross_entropy
+LOGITS_RETURNED_ONCE = {"rms_norm_residual": 1}
+RETURNED_LOGITS = ("linear_cross_entropy: not the standard causal-LM forward, so the Trainer's step returns "
+                   "logits that require grad (the op's logits carry none)")
 # Pre-LN families with LayerNorm (GPT-NeoX, Phi, StarCoder2, StableLM): attention, rope, loss
 ATTENTION_LAYER = {"rope": 1, "flash_attention": 1, "attention_out_proj": 1}
 
@@ -79,18 +85,17 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family("SmolLM3Config", LLAMA_LAYER, LLAMA_ONCE),
     # eager, as Gemma-2 runs: SDPA cannot soft-cap the scores. Four norms per layer (pre and post
     # attention and MLP); the loss soft-caps its logits too
-    "gemma2": Family("Gemma2Config", {"rms_norm_residual": 4, "rope": 1, "swiglu_mlp": 1}, LLAMA_ONCE,
+    "gemma2": Family("Gemma2Config", {"rms_norm_residual": 4, "rope": 1, "swiglu_mlp": 1}, LOGITS_RETURNED_ONCE,
                      dict(hidden_activation="gelu_pytorch_tanh", sliding_window=8, query_pre_attn_scalar=64,
                           layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0,
                           final_logit_softcapping=30.0),
-                     attention="eager",
-                     gaps="attention in training: soft-capped scores take the kernel only with "
+                     attention="eager", gaps=RETURNED_LOGITS + "; attention in training: soft-capped scores take the kernel only with "
                           "attention_softcap_training=True (slower than plain compile there, leaner), and under the "
                           "collator's attention_mask a query row that sees no key differentiates a uniform softmax, "
                           "which the kernel does not (in inference both take the kernel)"),
     "gemma": Family("GemmaConfig", LLAMA_LAYER, LLAMA_ONCE, dict(hidden_activation="gelu_pytorch_tanh")),
-    "gemma3": Family("Gemma3TextConfig", {**LLAMA_LAYER, "rms_norm_residual": 6}, LLAMA_ONCE,
-                     dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "gemma3": Family("Gemma3TextConfig", {**LLAMA_LAYER, "rms_norm_residual": 6}, LOGITS_RETURNED_ONCE,
+                     dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]), gaps=RETURNED_LOGITS),
     "phi3": Family("Phi3Config", LLAMA_LAYER, LLAMA_ONCE, dict(resid_pdrop=0.0, embd_pdrop=0.0)),
     "olmo": Family("OlmoConfig", {**ATTENTION_LAYER, "swiglu_mlp": 1}, {"linear_cross_entropy": 1},
                    gaps="OLMo's LayerNorm (no weight or bias) normalizes the residual sum cast to fp32 and "
@@ -107,10 +112,10 @@ FAMILIES: dict[str, Family] = {
     "starcoder2": Family("Starcoder2Config", {**ATTENTION_LAYER, "layer_norm_dropout_residual": 2},
                          {"linear_cross_entropy": 1}, dict(residual_dropout=0.0, embedding_dropout=0.0)),
     "stablelm": Family("StableLmConfig", {**ATTENTION_LAYER, "swiglu_mlp": 1, "layer_norm_dropout_residual": 2},
-                       {"linear_cross_entropy": 1}),
-    "gpt_neox": Family("GPTNeoXConfig", ATTENTION_LAYER, {"linear_cross_entropy": 1},
+                       gaps=RETURNED_LOGITS),
+    "gpt_neox": Family("GPTNeoXConfig", ATTENTION_LAYER, {},
                        dict(rotary_pct=0.25, hidden_dropout=0.0), modes=("trainer-amp",),
-                       gaps="parallel residual LayerNorms (near miss by design); bf16 is not run on the CPU: "
+                       gaps=RETURNED_LOGITS + "; parallel residual LayerNorms (near miss by design); bf16 is not run on the CPU: "
                             "plain Inductor's C++ code for its bf16 graph does not compile (torch 2.13 CPU)"),
     "phi": Family("PhiConfig", ATTENTION_LAYER, {"linear_cross_entropy": 1},
                   dict(resid_pdrop=0.0, embd_pdrop=0.0, partial_rotary_factor=0.5), modes=("trainer-amp",),
@@ -124,37 +129,37 @@ FAMILIES: dict[str, Family] = {
     # The eager expert loop (the float64 reference has no grouped_mm) breaks the graph: the layers
     # after a break get the causal mask as a graph input, which sdpa_mask cannot prove ("the mask
     # is an input of this graph, built in another graph"), so their attention stays unfused.
-    "mixtral": Family("MixtralConfig", {"rms_norm_residual": 2, "rope": 1}, LLAMA_ONCE,
+    "mixtral": Family("MixtralConfig", {"rms_norm_residual": 2, "rope": 1}, LOGITS_RETURNED_ONCE,
                       dict(num_local_experts=4, num_experts_per_tok=2, **_MOE),
-                      gaps="attention: the mask comes from another graph (the expert loop's graph breaks); "
+                      gaps=RETURNED_LOGITS + "; attention: the mask comes from another graph (the expert loop's graph breaks); "
                            "the experts' SwiGLU inside the loop is not matched (issue 43, MoE)"),
     # gpt-oss: attention sinks (a sliding-window layer and a full one) and the experts' eager loop
-    "gpt_oss": Family("GptOssConfig", {"rms_norm_residual": 2, "rope": 1}, LLAMA_ONCE,
+    "gpt_oss": Family("GptOssConfig", {"rms_norm_residual": 2, "rope": 1}, LOGITS_RETURNED_ONCE,
                       dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                            layer_types=["sliding_attention", "full_attention"], **_MOE),
                       attention="eager",
-                      gaps="attention: as Mixtral, the mask comes from another graph after the expert loop's graph "
+                      gaps=RETURNED_LOGITS + "; attention: as Mixtral, the mask comes from another graph after the expert loop's graph "
                            "breaks (\"scores plus a tensor that is neither transformers' additive mask nor a "
                            "per-key bias\"; its layers alone take the kernel, fusionpass/fusions/flash_attention/"
                            "cases.py); the experts' gated MLP in the loop is not matched"),
-    "qwen3_moe": Family("Qwen3MoeConfig", {"rms_norm_residual": 4, "rope": 1}, LLAMA_ONCE,
+    "qwen3_moe": Family("Qwen3MoeConfig", {"rms_norm_residual": 4, "rope": 1}, LOGITS_RETURNED_ONCE,
                         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **_MOE),
                         mode_counts={"trainer-amp": {"rms_norm_residual": 2 * LAYERS + 1}},
-                        gaps="as Mixtral (attention after the expert loop's graph breaks, experts' SwiGLU); "
+                        gaps=RETURNED_LOGITS + "; as Mixtral (attention after the expert loop's graph breaks, experts' SwiGLU); "
                              "under autocast, as Qwen3, its q/k norms"),
     # encoders: BERT's post-LN layers (attention with its output projection, two dropout + residual
     # + LayerNorms), its masked-LM loss
     "bert": Family("BertConfig", {"flash_attention": 1, "attention_out_proj": 1, "layer_norm_dropout_residual": 2},
-                   {"linear_cross_entropy": 1}, dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+                   {}, dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
                    model_class="AutoModelForMaskedLM",
-                   gaps="the embeddings' LayerNorm (nothing to add to it: left alone by design)"),
+                   gaps=RETURNED_LOGITS + "; the embeddings' LayerNorm (nothing to add to it: left alone by design)"),
     # encoder-decoder: a "layer" here is one encoder layer (2 RMSNorms) and one decoder layer (3), the
     # encoder's and decoder's final norms once
-    "t5": Family("T5Config", {"rms_norm_residual": 5}, {"rms_norm_residual": 2, "linear_cross_entropy": 1},
+    "t5": Family("T5Config", {"rms_norm_residual": 5}, {"rms_norm_residual": 2},
                  dict(d_ff=256, num_decoder_layers=LAYERS, dropout_rate=0.0, decoder_start_token_id=0),
                  mode_counts={"trainer-amp": {"rms_norm_residual": 2}},
                  model_class="AutoModelForSeq2SeqLM",
-                 gaps="attention: the relative position bias (and the mask) arrive as one additive bf16 tensor "
+                 gaps=RETURNED_LOGITS + "; attention: the relative position bias (and the mask) arrive as one additive bf16 tensor "
                       "(\"attention mask of dtype torch.bfloat16 (an additive bias)\"), which no kernel route takes "
                       "yet; under the Trainer's autocast the layers' norms are near misses (\"output dtype "
                       "torch.bfloat16 differs from input dtype torch.float32 (mixed-dtype math)\")"),

@@ -2,8 +2,9 @@
 size 64, odd vocabularies), trained one step with labels.
 
 Each model's loss (ForCausalLMLoss over `lm_head(h)`, Gemma-2 soft-capped, the lm_head tied to the
-embeddings there) is one match; the loss, the returned logits and every parameter gradient agree
-with plain torch.compile within fp32 tolerance. GPT-2 computes its loss in a second graph unless
+embeddings there) is one match in evaluation and through fusionpass.loss_only; in a training graph
+that returns the logits it is a near miss. The loss, the returned logits and every parameter
+gradient agree with plain torch.compile within fp32 tolerance. GPT-2 computes its loss in a second graph unless
 `model.loss_type = "ForCausalLM"`: explain says so, and matches once it is set.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from helpers import (
 
 import fusionpass
 from fusionpass.demo import tiny_hf
-from fusionpass.fusions.linear_cross_entropy.pattern import ANOTHER_GRAPH
+from fusionpass.fusions.linear_cross_entropy.pattern import ANOTHER_GRAPH, RETURNED_WITH_GRAD
 
 FUSION = "linear_cross_entropy"
 RTOL_FP32 = 1e-4
@@ -66,19 +67,36 @@ def batch(vocab, num_items):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_training_step(name):
-    vocab, variant, num_items = MODELS[name]
+    """The model returns logits that require grad: the loss stays with Inductor (the op's logits
+    carry no gradient), and the loss, logits and every gradient are plain compile's."""
+    vocab, _, num_items = MODELS[name]
     model = tiny(name, vocab).train()
     ids, kwargs = batch(vocab, num_items)
     got, stats = compile_and_count(model, ids, train=True, kwargs=kwargs, fusions=[FUSION])
+    assert stats == {}
+    (miss,) = near_misses()
+    assert miss[0] == FUSION and RETURNED_WITH_GRAD in miss[2], miss
+    with compiling():
+        compiled = torch.compile(model, backend="inductor", fullgraph=True)
+        expected = run(compiled, model, (ids,), True, kwargs=kwargs)
+    assert len(expected.grads) == sum(1 for p in model.parameters() if p.requires_grad)
+    assert_outcomes_close(got, expected, rtol=RTOL_FP32)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_evaluation_step(name):
+    """No gradient: the op computes the loss and writes the logits the model returns."""
+    vocab, variant, num_items = MODELS[name]
+    model = tiny(name, vocab).eval()
+    ids, kwargs = batch(vocab, num_items)
+    got, stats = compile_and_count(model, ids, train=False, kwargs=kwargs, fusions=[FUSION])
     assert stats == {(FUSION, variant): 1}
     assert near_misses() == []
     with compiling():
         compiled = torch.compile(model, backend="inductor", fullgraph=True)
-        expected = run(compiled, model, (ids,), True, kwargs=kwargs)
+        expected = run(compiled, model, (ids,), False, kwargs=kwargs)
         assert fusionpass.stats() == {}
-    # loss and logits, and a gradient for every parameter
     assert len(got.outputs) == 2 and got.outputs[1].shape == (2, 8, vocab)
-    assert len(expected.grads) == sum(1 for p in model.parameters() if p.requires_grad)
     assert_outcomes_close(got, expected, rtol=RTOL_FP32)
 
 
@@ -92,7 +110,7 @@ def test_gpt2_loss_in_another_graph():
     assert report.matches == {}
     assert [m[2] for m in report.near_misses] == [ANOTHER_GRAPH]
     model.loss_type = "ForCausalLM"
-    report = fusionpass.explain(model, ids, labels=ids, fusions=[FUSION], use_cache=False)
+    report = fusionpass.explain(model, ids, labels=ids, fusions=[FUSION], use_cache=False, train=False)
     assert report.variants == {(FUSION, "float_logits"): 1}
     assert report.near_misses == [] and report.graph_breaks == 0
 
@@ -140,7 +158,7 @@ def test_explain_hints_at_loss_only_where_the_logits_are_returned():
     model = tiny("llama", 160).train()
     ids, kwargs = batch(160, num_items=False)
     report = fusionpass.explain(model, ids, fusions=[FUSION], **kwargs)
-    assert report.matches == {FUSION: 1}
+    assert report.matches == {}
     assert len(report.hints) == 1 and "fusionpass.loss_only(model)" in report.hints[0]
     assert "(2, 8, 160)" in report.hints[0] and "hints:" in str(report)
     wrapped = fusionpass.loss_only(model)

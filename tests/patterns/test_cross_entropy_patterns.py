@@ -128,6 +128,19 @@ class PlainLinearCE(nn.Module):
         return F.cross_entropy(logits, y.reshape(-1), **self.ce_kwargs)
 
 
+class LossOf(nn.Module):
+    """A training loop's graph: the head's loss alone, the logits not returned (returned logits
+    that require grad keep the loss out of the op: test_returned_logits_with_grad)."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, *args, **kwargs):
+        out = self.head(*args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
 # ---------------------------------------------------------------------------------------------
 # running them
 
@@ -204,6 +217,7 @@ def test_forms_train(module, variant, kwargs):
     module.apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
     h, labels = inputs()
     ignore_index = getattr(module, "ce_kwargs", {}).get("ignore_index")
+    module = LossOf(module)
     if ignore_index is not None:
         labels = torch.where(labels == -100, ignore_index, labels)
     got, stats = compile_step(module, h, labels, **kwargs)
@@ -215,16 +229,20 @@ def test_forms_train(module, variant, kwargs):
 def test_bf16_hf_form():
     module = CausalLMHead(softcap=30.0).to(BF16)
     h, labels = inputs(BF16)
-    got, stats = compile_step(module, h, labels)
+    got, stats = compile_step(module, h, labels, train=False)
     assert stats == counts("softcap")
     outs, _ = got
     assert outs[0].dtype == FP32 and outs[1].dtype == BF16
+    assert_same(got, step(module, module, h, labels, train=False), BF16)
+    module = LossOf(module)
+    got, stats = compile_step(module, h, labels)
+    assert stats == counts("softcap")
     assert_same(got, step(module, module, h, labels), BF16)
 
 
 def test_bf16_model_dtype_loss():
     """BERT-style loss on bf16 scores: the loss stays bf16, as F.cross_entropy returns it."""
-    module = MaskedLMHead().to(BF16)
+    module = LossOf(MaskedLMHead().to(BF16))
     h, labels = inputs(BF16)
     got, stats = compile_step(module, h, labels)
     assert stats == counts("model_dtype_logits")
@@ -235,7 +253,7 @@ def test_bf16_model_dtype_loss():
 def test_autocast_over_fp32_weights():
     """fp32 h and weight under autocast: the pass writes autocast's casts first (patterns/autocast.py),
     so the op reads bf16 h and W as the projection would, and the loss and gradients are eager's."""
-    module = Autocast()
+    module = LossOf(Autocast())
     h, labels = inputs()
     got, stats = compile_step(module, h, labels)
     assert sum(stats.values()) == 1, (stats, near_misses())
@@ -287,7 +305,8 @@ def test_fused_graph():
     labels' own padding and shift stay (they feed the op)."""
     module = CausalLMHead()
     h, labels = inputs()
-    gm, (loss, logits), record = fused_graph(module, h.requires_grad_(), labels)
+    with torch.no_grad():
+        gm, (loss, logits), record = fused_graph(module, h, labels)
     assert record.matches == counts("float_logits")
     code = gm.code
     assert "fusionpass.linear_cross_entropy.default" in code
@@ -296,12 +315,11 @@ def test_fused_graph():
     want_loss, want_logits = module(h, labels)
     torch.testing.assert_close(loss, want_loss)
     torch.testing.assert_close(logits, want_logits)
-    assert not logits.requires_grad  # see the module docstring of fusions/linear_cross_entropy/pattern.py
 
 
 def test_dynamic_sequence_length():
     """Symbolic batch and sequence sizes: one match per compile, right numbers at each length."""
-    module = CausalLMHead()
+    module = LossOf(CausalLMHead())
     with compiling():
         compiled = torch.compile(module, backend=make_backend([FUSION]), fullgraph=True, dynamic=True)
         for seq in (8, 5):
@@ -384,6 +402,28 @@ def test_near_misses(module, reason):
         misses = near_misses()
     assert len(misses) == 1 and misses[0][0] == FUSION, misses
     assert reason in misses[0][2], misses
+
+
+def test_returned_logits_with_grad():
+    """Logits the graph returns while they require grad: a caller may build a second loss on them
+    (distillation, z-loss). The op's logits carry no gradient, so the loss stays with Inductor and
+    the gradient through both losses is eager's."""
+    module = CausalLMHead()
+    h, labels = inputs()
+
+    def both_losses(fn):
+        def run(h, labels):
+            loss, logits = fn(h, labels)
+            return (loss + 1e-2 * logits.float().logsumexp(-1).square().mean(),)
+        return run
+
+    with compiling():
+        compiled = torch.compile(module, backend=make_backend([FUSION]), fullgraph=True)
+        got = step(both_losses(compiled), module, h, labels)
+        assert fusionpass.stats() == {}
+        misses = near_misses()
+    assert len(misses) == 1 and "returned with requires_grad" in misses[0][2], misses
+    assert_same(got, step(both_losses(module), module, h, labels))
 
 
 def test_cpu_graphs_left_alone_by_default():

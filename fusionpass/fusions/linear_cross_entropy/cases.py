@@ -7,11 +7,14 @@ The modules are written the way transformers 5.x writes the loss: through ForCau
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fusionpass.conformance.builders import BF16, case, maker, rotating
+from fusionpass.fusions.linear_cross_entropy.pattern import RETURNED_WITH_GRAD
 
 
 def _fixed_cross_entropy(source, target, num_items_in_batch=None, ignore_index=-100):
@@ -36,13 +39,13 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
 
 class CausalLMHead(nn.Module):
     """HF *ForCausalLM: `logits = lm_head(hidden_states[:, slice_indices, :])`, Gemma-2's
-    final_logit_softcapping when set, then ForCausalLMLoss. Training returns the loss only: the
-    fused op's logits are non-differentiable (fusions/linear_cross_entropy/pattern.py), and a gradient through
-    them is not what training computes; inference returns (loss, logits) as the model does."""
+    final_logit_softcapping when set, then ForCausalLMLoss. Training returns the loss only, as
+    fusionpass.loss_only does (returned logits that require grad keep the loss out of the op:
+    fusions/linear_cross_entropy/pattern.py); inference returns (loss, logits) as the model does."""
 
-    def __init__(self, hidden, vocab, softcap=None):
+    def __init__(self, hidden, vocab, softcap=None, logits_in_training=False):
         super().__init__()
-        self.vocab, self.softcap = vocab, softcap
+        self.vocab, self.softcap, self.logits_in_training = vocab, softcap, logits_in_training
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, hidden_states, labels, num_items_in_batch=None):
@@ -52,7 +55,7 @@ class CausalLMHead(nn.Module):
             logits = torch.tanh(logits)
             logits = logits * self.softcap
         loss = causal_lm_loss(logits, labels, self.vocab, num_items_in_batch)
-        return (loss, logits) if not self.training else loss
+        return (loss, logits) if self.logits_in_training or not self.training else loss
 
 
 class ShiftLogitsHead(nn.Module):
@@ -118,9 +121,9 @@ def _trained_scale(weight):
     nn.init.normal_(weight, std=2.0 * weight.shape[1] ** -0.5)
 
 
-def _ce_hf(shape, num_items=False, softcap=None):
+def _ce_hf(shape, num_items=False, softcap=None, logits_in_training=False):
     b, s, hidden, vocab = shape
-    head = CausalLMHead(hidden, vocab, softcap)
+    head = CausalLMHead(hidden, vocab, softcap, logits_in_training)
     _trained_scale(head.lm_head.weight)
     labels = causal_labels(b, s, vocab)
     inputs = (torch.randn(b, s, hidden), labels)
@@ -179,6 +182,13 @@ def _ce_cases():
     cases = rotating(CE_FORMS, CE_SHAPES, _ce_case)
     # an LLM-sized vocabulary at the default cost rule (min vocab 100000)
     cases.append(_ce_case("hf_causal_mean", BF16, (2, 19, 48, 100003), True, config={}))
+    # the model's own training output, logits included, both differentiated (a second loss on the
+    # logits): the op's logits carry no gradient, so this is a near miss, and plain compile's result
+    b, s, hidden, vocab = shape = (2, 19, 48, 100003)
+    returned = case("linear_cross_entropy", "float_logits", "hf_causal_logits_returned", BF16,
+                    f"b{b}-s{s}-d{hidden}-v{vocab}", True,
+                    maker(lambda sh: _ce_hf(sh, logits_in_training=True), shape), {})
+    cases.append(dataclasses.replace(returned, near_miss=RETURNED_WITH_GRAD))
     return cases
 
 

@@ -17,11 +17,13 @@ with the labels padded by one ignored position at the end of each sequence (exac
 
 The logits of the model dtype (after the soft-cap when there is one) may also be returned by the
 graph, as HF models do, also as an fp32 copy (accelerate's `convert_outputs_to_fp32` under the
-Trainer's mixed precision): the op then writes them once, in the model dtype. Any other use of the
-logits or of the fp32 copy is a near miss: the op never materializes them otherwise. The returned
-logits come out non-differentiable (their gradient would be the [N, V] tensor the op avoids), so a
-caller that backpropagates through `output.logits` gets an error from autograd, not a wrong
-gradient.
+Trainer's mixed precision), where they need no gradient (evaluation): the op then writes them once,
+in the model dtype. The op's logits are non-differentiable (their gradient would be the [N, V]
+tensor the op avoids), so returned logits that require grad are a near miss: a caller may add a
+second loss on them (distillation, a z-loss), whose gradient would otherwise be dropped without an
+error. A training loop that reads only the loss compiles `fusionpass.loss_only(model)`, as the
+Trainer integration does (fusionpass/hf_trainer.py). Any other use of the logits or of the fp32
+copy is a near miss: the op never materializes them otherwise.
 
 When the logits reach the loss as an input of the graph, the projection happened in another graph
 (a graph break; GPT-2 without `model.loss_type = "ForCausalLM"` computes its loss outside the
@@ -400,9 +402,8 @@ FIELDS = fields(Options)
 # The cost rule. From min_vocab classes the logits the op never writes are most of the loss's
 # peak memory, so it is selected there even where it is a little slower (LEANER); below, only
 # where the nearest measured vocabulary was faster (FASTER: cost_table.py, generated from
-# benchmarks/results/latest/linear_cross_entropy_vocabs.md, measured in training). A graph that
-# returns the logits (the Trainer's step) makes the op write them too: its own mode of the table.
-LOGITS_RETURNED = ", logits returned"
+# benchmarks/results/latest/linear_cross_entropy_vocabs.md, measured in training). Training is
+# read from the logits: a graph under no_grad is inference, whatever its parameters require.
 LEANER = Range.always("classes", FIELDS.min_vocab, None)
 FASTER = Measured("classes", cost_table.SPEEDUPS, cost_table.SOURCE, FIELDS.min_speedup)
 VOCAB = Either(LEANER, FASTER)
@@ -411,8 +412,8 @@ VOCAB = Either(LEANER, FASTER)
 def vocab_large_enough(m: Match, cfg) -> str | None:
     chain = m.bindings["chain"]
     vocab = g.static_int(g.tensor(chain.weight).shape[0])
-    training = any(getattr(g.tensor(n), "requires_grad", False) for n in (chain.h, chain.weight))
-    return VOCAB.check(vocab, mode(training) + (LOGITS_RETURNED if m.bindings["return_logits"] else ""), cfg)
+    training = bool(getattr(g.tensor(chain.head), "requires_grad", False))
+    return VOCAB.check(vocab, mode(training), cfg)
 
 
 def _returned(user: fx.Node, logits: fx.Node) -> bool:
@@ -424,9 +425,14 @@ def _returned(user: fx.Node, logits: fx.Node) -> bool:
             and bool(user.users) and all(u.op == "output" for u in user.users))
 
 
+RETURNED_WITH_GRAD = "returned with requires_grad"
+
+
 def logits_private(m: Match, cfg) -> str | None:
     """Nodes of the chain are read only by the chain, except the model-dtype logits, which the
-    graph may return (then the op writes them)."""
+    graph may return where no gradient can reach them (then the op writes them). The op's logits
+    are non-differentiable: a caller may build a second loss on returned logits that require
+    grad (distillation, z-loss), and its gradient would be dropped without a word."""
     chain = m.bindings["chain"]
     inside = set(m.nodes)
     for node in chain.nodes:
@@ -434,6 +440,9 @@ def logits_private(m: Match, cfg) -> str | None:
         if not outside:
             continue
         if node is chain.logits and all(_returned(u, node) for u in outside):
+            if getattr(g.tensor(node), "requires_grad", False):
+                return (f"logits ({node.name}) {RETURNED_WITH_GRAD}: the fused op's logits carry no "
+                        "gradient; fusionpass.loss_only(model) drops them from the output")
             continue
         users = ", ".join(sorted(u.name for u in outside))
         what = "logits" if node is chain.logits or node is chain.head else "an intermediate of the logits"
