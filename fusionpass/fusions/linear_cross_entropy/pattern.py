@@ -515,13 +515,14 @@ LINEAR_CROSS_ENTROPY = registry.register(
             "h @ W.t()) as HF ForCausalLMLoss writes it (.float(), view(-1, V), ignore_index, "
             "mean or sum / num_items_in_batch), with Gemma-2 soft-capping, the older "
             "shift-logits form, or BERT-style loss on model-dtype logits; logits the model "
-            "returns are written once in the model dtype"
+            "returns without a gradient (evaluation) are written once in the model dtype"
         ),
         selected_when=(
             "CUDA tensors, float32/float16/bfloat16 h and weight of one dtype, class-index "
             "targets, constant ignore_index and label_smoothing, reduction mean or sum, no "
             "class weights, logits used "
-            "by nothing but the loss and the graph's outputs"
+            "by nothing but the loss and the graph's outputs, and returned only where they need no "
+            "gradient (a training loop compiles fusionpass.loss_only(model))"
         ),
         anchor=is_cross_entropy,
         variants=tuple(Variant(name, _search(name, accepts)) for name, accepts in VARIANTS),
