@@ -59,12 +59,12 @@ def test_llama_train_generate(capsys, tmp_path):
                 "graph_breaks"} <= set(row)
         assert row["ms"] > 0 and row["peak_mib"] is None
     matches = {r["step"]: r["matches"] for r in data["rows"] if r["version"] == "fusionpass"}
-    assert matches["train"] == {"linear_cross_entropy": 1, "rms_norm_residual": 3, "rope": 1, "sdpa_mask": 1,
-                                "swiglu_mlp": 1}
+    # the model returns logits that require grad: the loss stays with Inductor (loss_only fuses it)
+    assert matches["train"] == {"rms_norm_residual": 3, "rope": 1, "sdpa_mask": 1, "swiglu_mlp": 1}
     assert matches["generate"].get("decode_attention")  # the decode step's attention
     # the match counts are in the table too
     train_fused = rows[1]
-    assert train_fused[7] == "linear_cross_entropy 1, rms_norm_residual 3, rope 1, sdpa_mask 1, swiglu_mlp 1"
+    assert train_fused[7] == "rms_norm_residual 3, rope 1, sdpa_mask 1, swiglu_mlp 1"
     # generate's tokens/s counts the new tokens: batch 2 x 2 tokens
     gen = next(r for r in data["rows"] if r["step"] == "generate")
     assert gen["tokens_per_s"] == pytest.approx(4 / gen["ms"] * 1e3, abs=0.1)
