@@ -87,13 +87,15 @@ FAMILIES: dict[str, Family] = {
                      dict(hidden_activation="gelu_pytorch_tanh", sliding_window=8, query_pre_attn_scalar=64,
                           layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0,
                           final_logit_softcapping=30.0),
-                     attention="eager", gaps=RETURNED_LOGITS + "; attention in training: soft-capped scores take the kernel only with "
-                          "attention_softcap_training=True (slower than plain compile there, leaner), and under the "
-                          "collator's attention_mask a query row that sees no key differentiates a uniform softmax, "
-                          "which the kernel does not (in inference both take the kernel)"),
+                     attention="eager",
+                     gaps=RETURNED_LOGITS + "; attention in training: soft-capped scores take the kernel only "
+                          "with attention_softcap_training=True (slower than plain compile there, leaner), and "
+                          "under the collator's attention_mask a query row that sees no key differentiates a "
+                          "uniform softmax, which the kernel does not (in inference both take the kernel)"),
     "gemma": Family("GemmaConfig", LLAMA_LAYER, LLAMA_ONCE, dict(hidden_activation="gelu_pytorch_tanh")),
     "gemma3": Family("Gemma3TextConfig", {**LLAMA_LAYER, "rms_norm_residual": 6}, LOGITS_RETURNED_ONCE,
-                     dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]), gaps=RETURNED_LOGITS),
+                     dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+                     gaps=RETURNED_LOGITS),
     "phi3": Family("Phi3Config", LLAMA_LAYER, LLAMA_ONCE, dict(resid_pdrop=0.0, embd_pdrop=0.0)),
     "olmo": Family("OlmoConfig", {**ATTENTION_LAYER, "swiglu_mlp": 1}, {"linear_cross_entropy": 1},
                    gaps="OLMo's LayerNorm (no weight or bias) normalizes the residual sum cast to fp32 and "
@@ -113,8 +115,9 @@ FAMILIES: dict[str, Family] = {
                        gaps=RETURNED_LOGITS),
     "gpt_neox": Family("GPTNeoXConfig", ATTENTION_LAYER, {},
                        dict(rotary_pct=0.25, hidden_dropout=0.0), modes=("trainer-amp",),
-                       gaps=RETURNED_LOGITS + "; parallel residual LayerNorms (near miss by design); bf16 is not run on the CPU: "
-                            "plain Inductor's C++ code for its bf16 graph does not compile (torch 2.13 CPU)"),
+                       gaps=RETURNED_LOGITS + "; parallel residual LayerNorms (near miss by design); bf16 is not "
+                            "run on the CPU: plain Inductor's C++ code for its bf16 graph does not compile (torch "
+                            "2.13 CPU)"),
     "phi": Family("PhiConfig", ATTENTION_LAYER, {"linear_cross_entropy": 1},
                   dict(resid_pdrop=0.0, embd_pdrop=0.0, partial_rotary_factor=0.5), modes=("trainer-amp",),
                   gaps="the parallel block's LayerNorm under autocast: mixed dtypes; bf16 is not run on the "
@@ -129,23 +132,23 @@ FAMILIES: dict[str, Family] = {
     # is an input of this graph, built in another graph"), so their attention stays unfused.
     "mixtral": Family("MixtralConfig", {"rms_norm_residual": 2, "rope": 1}, LOGITS_RETURNED_ONCE,
                       dict(num_local_experts=4, num_experts_per_tok=2, **_MOE),
-                      gaps=RETURNED_LOGITS + "; attention: the mask comes from another graph (the expert loop's graph breaks); "
-                           "the experts' SwiGLU inside the loop is not matched (issue 43, MoE)"),
+                      gaps=RETURNED_LOGITS + "; attention: the mask comes from another graph (the expert loop's "
+                           "graph breaks); the experts' SwiGLU inside the loop is not matched (issue 43, MoE)"),
     # gpt-oss: attention sinks (a sliding-window layer and a full one) and the experts' eager loop
     "gpt_oss": Family("GptOssConfig", {"rms_norm_residual": 2}, LOGITS_RETURNED_ONCE,
                       dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                            layer_types=["sliding_attention", "full_attention"], **_MOE),
                       attention="eager",
-                      gaps=RETURNED_LOGITS + "; attention: as Mixtral, the mask comes from another graph after the expert loop's graph "
-                           "breaks (\"scores plus a tensor that is neither transformers' additive mask nor a "
+                      gaps=RETURNED_LOGITS + "; attention: as Mixtral, the mask comes from another graph after the "
+                           "expert loop's graph breaks (\"scores plus a tensor that is neither transformers' additive mask nor a "
                            "per-key bias\"; its layers alone take the kernel, fusionpass/fusions/flash_attention/"
                            "cases.py); rope: its rotation of halves (x1 cos - x2 sin, x2 cos + x1 sin) is not a form "
                            "rope reads, and says nothing; the experts' gated MLP in the loop is not matched"),
     "qwen3_moe": Family("Qwen3MoeConfig", {"rms_norm_residual": 4, "rope": 1}, LOGITS_RETURNED_ONCE,
                         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **_MOE),
                         mode_counts={"trainer-amp": {"rms_norm_residual": 2 * LAYERS + 1}},
-                        gaps=RETURNED_LOGITS + "; as Mixtral (attention after the expert loop's graph breaks, experts' SwiGLU); "
-                             "under autocast, as Qwen3, its q/k norms"),
+                        gaps=RETURNED_LOGITS + "; as Mixtral (attention after the expert loop's graph breaks, "
+                             "experts' SwiGLU); under autocast, as Qwen3, its q/k norms"),
 }
 
 
