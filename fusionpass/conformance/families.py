@@ -89,13 +89,15 @@ FAMILIES: dict[str, Family] = {
                      dict(hidden_activation="gelu_pytorch_tanh", sliding_window=8, query_pre_attn_scalar=64,
                           layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0,
                           final_logit_softcapping=30.0),
-                     attention="eager", gaps=RETURNED_LOGITS + "; attention in training: soft-capped scores take the kernel only with "
-                          "attention_softcap_training=True (slower than plain compile there, leaner), and under the "
-                          "collator's attention_mask a query row that sees no key differentiates a uniform softmax, "
-                          "which the kernel does not (in inference both take the kernel)"),
+                     attention="eager",
+                     gaps=RETURNED_LOGITS + "; attention in training: soft-capped scores take the kernel only "
+                          "with attention_softcap_training=True (slower than plain compile there, leaner), and "
+                          "under the collator's attention_mask a query row that sees no key differentiates a "
+                          "uniform softmax, which the kernel does not (in inference both take the kernel)"),
     "gemma": Family("GemmaConfig", LLAMA_LAYER, LLAMA_ONCE, dict(hidden_activation="gelu_pytorch_tanh")),
     "gemma3": Family("Gemma3TextConfig", {**LLAMA_LAYER, "rms_norm_residual": 6}, LOGITS_RETURNED_ONCE,
-                     dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]), gaps=RETURNED_LOGITS),
+                     dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+                     gaps=RETURNED_LOGITS),
     "phi3": Family("Phi3Config", LLAMA_LAYER, LLAMA_ONCE, dict(resid_pdrop=0.0, embd_pdrop=0.0)),
     "olmo": Family("OlmoConfig", {**ATTENTION_LAYER, "swiglu_mlp": 1}, {"linear_cross_entropy": 1},
                    gaps="OLMo's LayerNorm (no weight or bias) normalizes the residual sum cast to fp32 and "
@@ -115,8 +117,9 @@ FAMILIES: dict[str, Family] = {
                        gaps=RETURNED_LOGITS),
     "gpt_neox": Family("GPTNeoXConfig", ATTENTION_LAYER, {},
                        dict(rotary_pct=0.25, hidden_dropout=0.0), modes=("trainer-amp",),
-                       gaps=RETURNED_LOGITS + "; parallel residual LayerNorms (near miss by design); bf16 is not run on the CPU: "
-                            "plain Inductor's C++ code for its bf16 graph does not compile (torch 2.13 CPU)"),
+                       gaps=RETURNED_LOGITS + "; parallel residual LayerNorms (near miss by design); bf16 is not "
+                            "run on the CPU: plain Inductor's C++ code for its bf16 graph does not compile (torch "
+                            "2.13 CPU)"),
     "phi": Family("PhiConfig", ATTENTION_LAYER, {"linear_cross_entropy": 1},
                   dict(resid_pdrop=0.0, embd_pdrop=0.0, partial_rotary_factor=0.5), modes=("trainer-amp",),
                   gaps="the parallel block's LayerNorm under autocast: mixed dtypes; bf16 is not run on the "
@@ -131,38 +134,40 @@ FAMILIES: dict[str, Family] = {
     # is an input of this graph, built in another graph"), so their attention stays unfused.
     "mixtral": Family("MixtralConfig", {"rms_norm_residual": 2, "rope": 1}, LOGITS_RETURNED_ONCE,
                       dict(num_local_experts=4, num_experts_per_tok=2, **_MOE),
-                      gaps=RETURNED_LOGITS + "; attention: the mask comes from another graph (the expert loop's graph breaks); "
-                           "the experts' SwiGLU inside the loop is not matched (issue 43, MoE)"),
+                      gaps=RETURNED_LOGITS + "; attention: the mask comes from another graph (the expert loop's "
+                           "graph breaks); the experts' SwiGLU inside the loop is not matched (issue 43, MoE)"),
     # gpt-oss: attention sinks (a sliding-window layer and a full one) and the experts' eager loop
     "gpt_oss": Family("GptOssConfig", {"rms_norm_residual": 2, "rope": 1}, LOGITS_RETURNED_ONCE,
                       dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                            layer_types=["sliding_attention", "full_attention"], **_MOE),
                       attention="eager",
-                      gaps=RETURNED_LOGITS + "; attention: as Mixtral, the mask comes from another graph after the expert loop's graph "
-                           "breaks (\"scores plus a tensor that is neither transformers' additive mask nor a "
-                           "per-key bias\"; its layers alone take the kernel, fusionpass/fusions/flash_attention/"
-                           "cases.py); the experts' gated MLP in the loop is not matched"),
+                      gaps=RETURNED_LOGITS + "; attention: as Mixtral, the mask comes from another graph after the "
+                           "expert loop's graph breaks (\"scores plus a tensor that is neither transformers' "
+                           "additive mask nor a per-key bias\"; its layers alone take the kernel, "
+                           "fusionpass/fusions/flash_attention/cases.py); the experts' gated MLP in the loop is not "
+                           "matched"),
     "qwen3_moe": Family("Qwen3MoeConfig", {"rms_norm_residual": 4, "rope": 1}, LOGITS_RETURNED_ONCE,
                         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **_MOE),
                         mode_counts={"trainer-amp": {"rms_norm_residual": 2 * LAYERS + 1}},
-                        gaps=RETURNED_LOGITS + "; as Mixtral (attention after the expert loop's graph breaks, experts' SwiGLU); "
-                             "under autocast, as Qwen3, its q/k norms"),
+                        gaps=RETURNED_LOGITS + "; as Mixtral (attention after the expert loop's graph breaks, "
+                             "experts' SwiGLU); under autocast, as Qwen3, its q/k norms"),
     # encoders: BERT's post-LN layers (attention with its output projection, two dropout + residual
     # + LayerNorms), its masked-LM loss
     "bert": Family("BertConfig", {"flash_attention": 1, "attention_out_proj": 1, "layer_norm_dropout_residual": 2},
                    {}, dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
                    model_class="AutoModelForMaskedLM",
-                   gaps=RETURNED_LOGITS + "; the embeddings' LayerNorm (nothing to add to it: left alone by design)"),
+                   gaps=RETURNED_LOGITS + "; the embeddings' LayerNorm (nothing to add to it: left alone by "
+                        "design)"),
     # encoder-decoder: a "layer" here is one encoder layer (2 RMSNorms) and one decoder layer (3), the
     # encoder's and decoder's final norms once
     "t5": Family("T5Config", {"rms_norm_residual": 5}, {"rms_norm_residual": 2},
                  dict(d_ff=256, num_decoder_layers=LAYERS, dropout_rate=0.0, decoder_start_token_id=0),
                  mode_counts={"trainer-amp": {"rms_norm_residual": 2}},
                  model_class="AutoModelForSeq2SeqLM",
-                 gaps=RETURNED_LOGITS + "; attention: the relative position bias (and the mask) arrive as one additive bf16 tensor "
-                      "(\"attention mask of dtype torch.bfloat16 (an additive bias)\"), which no kernel route takes "
-                      "yet; under the Trainer's autocast the layers' norms are near misses (\"output dtype "
-                      "torch.bfloat16 differs from input dtype torch.float32 (mixed-dtype math)\")"),
+                 gaps=RETURNED_LOGITS + "; attention: the relative position bias (and the mask) arrive as one "
+                      "additive bf16 tensor (\"attention mask of dtype torch.bfloat16 (an additive bias)\"), which "
+                      "no kernel route takes yet; under the Trainer's autocast the layers' norms are near misses "
+                      "(\"output dtype torch.bfloat16 differs from input dtype torch.float32 (mixed-dtype math)\")"),
 }
 
 
