@@ -142,8 +142,9 @@ FAMILIES: dict[str, Family] = {
                       gaps=RETURNED_LOGITS + "; attention: as Mixtral, the mask comes from another graph after the "
                            "expert loop's graph breaks (\"scores plus a tensor that is neither transformers' "
                            "additive mask nor a per-key bias\"; its layers alone take the kernel, "
-                           "fusionpass/fusions/flash_attention/cases.py); rope: its rotation of halves (x1 cos - x2 sin, x2 cos + x1 sin) is not a form "
-                           "rope reads, and says nothing; the experts' gated MLP in the loop is not matched"),
+                           "fusionpass/fusions/flash_attention/cases.py); rope: its rotation of halves (x1 cos - x2 "
+                           "sin, x2 cos + x1 sin) is not a form rope reads, and says nothing; the experts' gated MLP "
+                           "in the loop is not matched"),
     "qwen3_moe": Family("Qwen3MoeConfig", {"rms_norm_residual": 4, "rope": 1}, LOGITS_RETURNED_ONCE,
                         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **_MOE),
                         mode_counts={"trainer-amp": {"rms_norm_residual": 2 * LAYERS + 1}},
