@@ -4,8 +4,8 @@ size 64, odd vocabularies), trained one step with labels.
 Each model's loss (ForCausalLMLoss over `lm_head(h)`, Gemma-2 soft-capped, the lm_head tied to the
 embeddings there) is one match in evaluation and through fusionpass.loss_only; in a training graph
 that returns the logits it is a near miss. The loss, the returned logits and every parameter
-gradient agree with plain torch.compile within fp32 tolerance. GPT-2 computes its loss in a second graph unless
-`model.loss_type = "ForCausalLM"`: explain says so, and matches once it is set.
+gradient agree with plain torch.compile within fp32 tolerance. GPT-2 computes its loss in a second
+graph unless `model.loss_type = "ForCausalLM"`: explain says so, and matches once it is set.
 """
 from __future__ import annotations
 
