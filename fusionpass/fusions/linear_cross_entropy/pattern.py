@@ -289,6 +289,7 @@ def _search(variant: str, accepts):
                 "ce_args": args,
                 "labels": labels,
                 "label_nodes": label_nodes,
+                "training": bool(grad),  # the logits require grad: a differentiated graph
                 "return_logits": chain.logits is not None
                 and any(_returned(u, chain.logits) for u in chain.logits.users),
                 "need_dh": needs(chain.h),
@@ -412,8 +413,7 @@ VOCAB = Either(LEANER, FASTER)
 def vocab_large_enough(m: Match, cfg) -> str | None:
     chain = m.bindings["chain"]
     vocab = g.static_int(g.tensor(chain.weight).shape[0])
-    training = bool(getattr(g.tensor(chain.head), "requires_grad", False))
-    return VOCAB.check(vocab, mode(training), cfg)
+    return VOCAB.check(vocab, mode(m.bindings["training"]), cfg)
 
 
 def _returned(user: fx.Node, logits: fx.Node) -> bool:
@@ -440,7 +440,7 @@ def logits_private(m: Match, cfg) -> str | None:
         if not outside:
             continue
         if node is chain.logits and all(_returned(u, node) for u in outside):
-            if getattr(g.tensor(node), "requires_grad", False):
+            if m.bindings["training"]:
                 return (f"logits ({node.name}) {RETURNED_WITH_GRAD}: the fused op's logits carry no "
                         "gradient; fusionpass.loss_only(model) drops them from the output")
             continue
