@@ -161,10 +161,12 @@ def _concrete(v):
 
 def argument_key(v):
     """What of one argument decides a kernel's TTIR: a tensor's dtype, whether an int is 1 or a
-    multiple of 16 (Triton's specializations), other scalars as they are."""
-    v = _concrete(v)
+    multiple of 16 (Triton's specializations), other scalars as they are. Allocates nothing: it runs
+    at every launch."""
     if isinstance(v, torch.Tensor):
         return ("tensor", v.dtype)
+    if isinstance(v, (torch.SymInt, torch.SymFloat)):
+        v = _concrete(v)
     if isinstance(v, int) and not isinstance(v, bool):
         return ("int", v == 1, v % 16 == 0)
     return v if isinstance(v, (bool, float, str, type(None))) else type(v).__name__
@@ -193,7 +195,8 @@ def written_arguments(kernel, kwargs: dict) -> frozenset[str]:
     decide which stores exist), by torch's own analysis; every tensor argument where the analysis
     fails (Inductor then clones them all)."""
     tensors = frozenset(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-    key = (kernel, tuple(sorted((k, argument_key(v)) for k, v in kwargs.items())))
+    # in the launch's own argument order (the kernel's), which is the same at every launch of a call site
+    key = (kernel, tuple((k, argument_key(v)) for k, v in kwargs.items()))
     if key not in _WRITTEN:
         from torch.utils._python_dispatch import _disable_current_modes
 
@@ -232,16 +235,32 @@ class _Launch:
             bound = dict(zip(names, args))
             bound.update((k, v) for k, v in kwargs.items() if k in names)
             check_private_outputs(self.kernel, bound)
+            if self.traced is not self.kernel and not traced(bound.values()):
+                # wrap_triton outside a trace runs its higher-order op's eager path, which costs more
+                # host time than the kernel launch itself (benchmarks/probes/cudnn_host_time.py): a
+                # custom op's body (padded_attention, linear_cross_entropy) runs so at every step
+                return self.kernel[grid](*args, **kwargs)
             return self.traced[grid](*args, **kwargs)
 
         return run
 
 
+def traced(values) -> bool:
+    """Whether a launch with these arguments is being traced rather than run: a torch dispatch or
+    function mode is on (fake tensors, functionalization, proxies), Dynamo is compiling, or a tensor
+    argument is of a subclass (fake, functional). Only a launch that is run may skip wrap_triton."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return True
+    if torch.compiler.is_compiling():
+        return True
+    return any(isinstance(v, torch.Tensor) and type(v) is not torch.Tensor for v in values)
+
+
 def launcher(kernel, t: torch.Tensor):
     """`kernel[grid](...)` as a CUDA launch that torch.compile can trace into (`wrap_triton`:
-    Inductor then launches it from its generated code, without custom-op dispatch), or as is on CPU
-    tensors, where it runs under the Triton interpreter; either way checked by
-    `check_private_outputs` first."""
+    Inductor then launches it from its generated code, without custom-op dispatch; a launch that is
+    run, not traced, goes to the kernel directly), or as is on CPU tensors, where it runs under the
+    Triton interpreter; either way checked by `check_private_outputs` first."""
     if t.device.type == "cuda":
         from torch.library import wrap_triton
 

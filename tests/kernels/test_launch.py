@@ -90,3 +90,23 @@ def test_rope_of_one_tensor():
     ref = q * cos + torch.cat((-q[..., 32:], q[..., :32]), -1) * sin
     assert none is None
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_launch_that_is_run_is_told_from_one_that_is_traced():
+    # a run launch goes to the kernel (wrap_triton's eager path costs more host time than the
+    # launch); a traced one keeps wrap_triton, which Inductor's tracing needs
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    plain = torch.empty(4)
+    assert not launch.traced([plain, 3, None])
+    with FakeTensorMode() as mode:
+        fake = torch.empty(4)
+        assert launch.traced([fake])
+    assert launch.traced([mode.from_tensor(plain)])
+    assert launch.traced([torch.nn.Parameter(plain)])
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        pass
+
+    with Mode():
+        assert launch.traced([plain])

@@ -561,8 +561,9 @@ class Options:
     # (benchmarks/results/latest/attention_eager_forms.md).
     sinks: bool = option(True, "eager-math attention whose softmax takes a learned logit per head as a last "
                                 "column (gpt-oss's attention sinks) -> fusionpass::flash_attention with sinks")
-    # Off until measured against our kernel and cuDNN's causal one (benchmarks/probes/
-    # collator_attention_routes.py): needs the `cudnn` extra (nvidia-cudnn-frontend).
+    # Off: faster per call than our kernel (benchmarks/results/kernel/collator_attention_routes.md) but
+    # the Trainer step is slower with it, as the op's host code runs at every step
+    # (benchmarks/results/kernel/cudnn_host_time.md). Needs the `cudnn` extra (nvidia-cudnn-frontend).
     cudnn_padding: bool = option(False, "causal or all-true masks with run-time key padding over square scores "
                                         "-> fusionpass::padded_attention: cuDNN's padding mask for rows whose "
                                         "keys are a prefix, our kernel for the others")
