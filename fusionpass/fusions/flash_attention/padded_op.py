@@ -19,6 +19,11 @@ EMPTY_LSE). How:
 No host sync, no shape that depends on data. The backward runs both the same way, each with the
 out and lse of the forward.
 
+The op is a triton_op: under torch.compile Inductor traces through it, so the key lengths become
+its generated code and our kernel its launch, and only cuDNN's part (padded_attention_library_forward
+and _backward, cudnn-frontend's Python) stays an op called at each step. As one custom op, its whole
+body ran as Python at each step, and the Trainer step waited on it.
+
 On CPU (the tests) cuDNN's part is a torch reference with the same key lengths, so the per-row
 choice is tested there; cuDNN itself only runs on CUDA (the conformance suite).
 """
@@ -103,50 +108,118 @@ def _prefix_mask(lengths: Tensor, L: int) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# our kernel's part (under the interpreter on CPU, as fusionpass::flash_attention's host ops)
+# cuDNN's part as an op of its own: the one piece Inductor cannot trace (cudnn-frontend's Python)
+
+
+@torch.library.custom_op("fusionpass::padded_attention_library_forward", mutates_args=())
+def library_forward(q: Tensor, k: Tensor, v: Tensor, seq_kv: Tensor, prefix: Tensor, *, scale: float,
+                    causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, lse, served): cuDNN's out and lse over every row with key lengths seq_kv, and the rows
+    it serves (prefix), or, where it builds no plan for the shape, outputs our kernel fills in whole
+    and no row served."""
+    got = _try_library("forward", lambda: _library_forward(q, k, v, seq_kv, scale, causal), q, k)
+    if got is None:
+        return host.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32), torch.zeros_like(prefix)
+    out, lse = got
+    return out.contiguous(), lse.contiguous(), prefix.clone()
+
+
+@library_forward.register_fake
+def _(q, k, v, seq_kv, prefix, *, scale, causal):
+    return host.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32), torch.empty_like(prefix)
+
+
+@torch.library.custom_op("fusionpass::padded_attention_library_backward", mutates_args=())
+def library_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seq_kv: Tensor,
+                     prefix: Tensor, *, scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, served), as library_forward. Our kernel's backward takes any correct forward's out
+    and lse, cuDNN's rows included, so either direction may be refused on its own."""
+    got = None if _refusal_key("forward", q, k) in _REFUSED else _try_library(
+        "backward", lambda: _library_backward(do, q, k, v, out, lse, seq_kv, scale, causal), q, k)
+    if got is None:
+        return host.empty_like(q), host.empty_like(k), host.empty_like(v), torch.zeros_like(prefix)
+    return (*(t.contiguous() for t in got), prefix.clone())
+
+
+@library_backward.register_fake
+def _(do, q, k, v, out, lse, seq_kv, prefix, *, scale, causal):
+    return host.empty_like(q), host.empty_like(k), host.empty_like(v), torch.empty_like(prefix)
+
+
+# ---------------------------------------------------------------------------------------------
+# our kernel's part, on the rows cuDNN does not serve: on CUDA a launch Inductor traces (no op of
+# its own to call at each step); on CPU a host op, as fusionpass::flash_attention's
 
 
 def _ours_on_torch(q) -> bool:
-    """CPU without the Triton interpreter: flash_attention's torch reference stands in for our kernel,
-    with the rows it does not serve as rows that see no key."""
+    """CPU without the Triton interpreter: flash_attention's torch reference stands in for our kernel."""
     return q.device.type != "cuda" and not host.interpreting()
 
 
-def _kernel_forward(q, k, v, key_padding, scale, causal, library=None, prefix=None):
-    """Our kernel on every row, or on the rows that are not prefix rows, written into `library`
-    (cuDNN's out and lse), whose prefix rows it neither reads nor writes (`skip_batches`)."""
+def _kernel_forward(q, k, v, key_padding, scale, causal, out, lse, served):
+    """Our kernel on the rows not `served`, written into cuDNN's `out` and `lse`, whose served rows
+    it neither reads nor writes (`skip_batches`)."""
     if _ours_on_torch(q):
         from fusionpass.fusions.flash_attention.op import _reference
 
         ours = _reference(q, k, v, key_padding, None, scale, causal, 0, False, 0, 0.0, None)
-        return ours if library is None else tuple(_by_row(prefix, a, b) for a, b in zip(library, ours))
+        return tuple(_by_row(served, a, b) for a, b in zip((out, lse), ours))
     from fusionpass.kernels.attention import attention_fwd
 
-    if library is None:
-        return attention_fwd(q, k, v, causal=causal, scale=scale, key_padding=key_padding)
-    return attention_fwd(q, k, v, causal=causal, scale=scale, key_padding=key_padding, out=library[0],
-                         lse=library[1], skip_batches=prefix)
+    return attention_fwd(q, k, v, causal=causal, scale=scale, key_padding=key_padding, out=out, lse=lse,
+                         skip_batches=served)
 
 
-def _kernel_backward(do, q, k, v, out, lse, key_padding, scale, causal, library=None, prefix=None):
-    """`_kernel_forward`'s backward: dq, dk, dv of every row, or of the rows that are not prefix
-    rows, written into `library` (cuDNN's dq, dk, dv)."""
+def _kernel_backward(do, q, k, v, out, lse, key_padding, scale, causal, grads, served):
+    """`_kernel_forward`'s backward, written into cuDNN's dq, dk, dv (`grads`)."""
     if _ours_on_torch(q):
         from fusionpass.fusions.flash_attention.op import _reference_backward
 
         ours = _reference_backward(do, q, k, v, out, lse, key_padding, None, scale, causal, 0, False, 0, 0.0, None)
-        return ours if library is None else tuple(_by_row(prefix, a, b) for a, b in zip(library, ours))
+        return tuple(_by_row(served, a, b) for a, b in zip(grads, ours))
     from fusionpass.kernels.attention import attention_bwd
 
-    return attention_bwd(do, q, k, v, out, lse, causal=causal, scale=scale, key_padding=key_padding,
-                         grads=library, skip_batches=None if library is None else prefix)
+    return attention_bwd(do, q, k, v, out, lse, causal=causal, scale=scale, key_padding=key_padding, grads=grads,
+                         skip_batches=served)
 
 
-def _by_row(prefix: Tensor, library: Tensor, ours: Tensor) -> Tensor:
-    return torch.where(prefix.view(-1, *([1] * (library.dim() - 1))), library, ours)
+def _by_row(served: Tensor, library: Tensor, ours: Tensor) -> Tensor:
+    return torch.where(served.view(-1, *([1] * (library.dim() - 1))), library, ours)
 
 
-@torch.library.custom_op("fusionpass::padded_attention", mutates_args=())
+@torch.library.custom_op("fusionpass::padded_attention_rows_host", mutates_args=())
+def _rows_host(q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor, out: Tensor, lse: Tensor, served: Tensor, *,
+               scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    out, lse = _kernel_forward(q, k, v, key_padding, scale, causal, out.clone(), lse.clone(), served)
+    return out.contiguous(), lse.contiguous()
+
+
+@_rows_host.register_fake
+def _(q, k, v, key_padding, out, lse, served, *, scale, causal):
+    return host.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("fusionpass::padded_attention_backward_rows_host", mutates_args=())
+def _backward_rows_host(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding: Tensor,
+                        dq: Tensor, dk: Tensor, dv: Tensor, served: Tensor, *, scale: float,
+                        causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    grads = tuple(t.clone() for t in (dq, dk, dv))
+    return tuple(t.contiguous() for t in _kernel_backward(do, q, k, v, out, lse, key_padding, scale, causal, grads,
+                                                          served))
+
+
+@_backward_rows_host.register_fake
+def _(do, q, k, v, out, lse, key_padding, dq, dk, dv, served, *, scale, causal):
+    return host.empty_like(q), host.empty_like(k), host.empty_like(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# the op: a triton_op, so that under torch.compile only cuDNN's part stays an op called at each step
+# (its Python); the key lengths become Inductor's code and our kernel's launch Inductor's launch
+# (benchmarks/results/kernel/cudnn_host_time.md)
+
+
+@torch.library.triton_op("fusionpass::padded_attention", mutates_args=())
 def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor, *, scale: float,
                      causal: bool = False) -> tuple[Tensor, Tensor]:
     if q.dtype not in (torch.float16, torch.bfloat16) or key_padding.dtype != torch.bool:
@@ -154,31 +227,23 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor, *, sc
     if q.shape[2] != k.shape[2] or key_padding.shape != (q.shape[0], k.shape[2]):
         raise ValueError("padded_attention takes square scores and a [B, L] key_padding")
     seq_kv, prefix = _lengths(key_padding)
-    library = _try_library("forward", lambda: _library_forward(q, k, v, seq_kv, scale, causal), q, k)
-    out, lse = _kernel_forward(q, k, v, key_padding, scale, causal, library, prefix)
-    return out.contiguous(), lse.contiguous()
+    out, lse, served = torch.ops.fusionpass.padded_attention_library_forward(q, k, v, seq_kv, prefix, scale=scale,
+                                                                             causal=causal)
+    if q.device.type != "cuda":
+        return _rows_host(q, k, v, key_padding, out, lse, served, scale=scale, causal=causal)
+    return _kernel_forward(q, k, v, key_padding, scale, causal, out, lse, served)
 
 
-@padded_attention.register_fake
-def _(q, k, v, key_padding, *, scale, causal=False):
-    return host.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.custom_op("fusionpass::padded_attention_backward", mutates_args=())
+@torch.library.triton_op("fusionpass::padded_attention_backward", mutates_args=())
 def padded_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                               key_padding: Tensor, *, scale: float,
                               causal: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     seq_kv, prefix = _lengths(key_padding)
-    # (our kernel's backward takes any correct forward's out and lse, cuDNN's rows included)
-    library = None if _refusal_key("forward", q, k) in _REFUSED else _try_library(
-        "backward", lambda: _library_backward(do, q, k, v, out, lse, seq_kv, scale, causal), q, k)
-    grads = _kernel_backward(do, q, k, v, out, lse, key_padding, scale, causal, library, prefix)
-    return tuple(t.contiguous() for t in grads)
-
-
-@padded_attention_backward.register_fake
-def _(do, q, k, v, out, lse, key_padding, *, scale, causal=False):
-    return host.empty_like(q), host.empty_like(k), host.empty_like(v)
+    dq, dk, dv, served = torch.ops.fusionpass.padded_attention_library_backward(
+        do, q, k, v, out, lse, seq_kv, prefix, scale=scale, causal=causal)
+    if q.device.type != "cuda":
+        return _backward_rows_host(do, q, k, v, out, lse, key_padding, dq, dk, dv, served, scale=scale, causal=causal)
+    return _kernel_backward(do, q, k, v, out, lse, key_padding, scale, causal, (dq, dk, dv), served)
 
 
 def _setup(ctx, inputs, keyword_only_inputs, output):
