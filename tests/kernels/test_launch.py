@@ -110,3 +110,25 @@ def test_a_launch_that_is_run_is_told_from_one_that_is_traced():
 
     with Mode():
         assert launch.traced([plain])
+
+
+def test_a_run_launch_skips_wrap_triton_and_a_traced_one_keeps_it():
+    # _Launch's choice, with a stand-in for wrap_triton's wrapper (on CPU, launcher() keeps the
+    # kernel itself): run tensors go to the kernel, a fake one to the wrapper
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    used = []
+
+    class Wrapper:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: used.append("wrapper")
+
+    p, o0, o1 = torch.randn(4, 8), torch.empty(8), torch.empty(8)
+    launch._Launch(LN._reduce_kernel, Wrapper())[(1, 1)](p, o0, p, o1, 4, 8, ROUND_BITS=True, BLOCK_G=4,
+                                                            BLOCK_N=32)
+    assert used == [] and torch.allclose(o0, p.sum(0))
+    with FakeTensorMode() as mode:
+        fp, f0, f1 = (mode.from_tensor(t) for t in (p, o0, o1))
+    launch._Launch(LN._reduce_kernel, Wrapper())[(1, 1)](fp, f0, fp, f1, 4, 8, ROUND_BITS=True, BLOCK_G=4,
+                                                            BLOCK_N=32)
+    assert used == ["wrapper"]
