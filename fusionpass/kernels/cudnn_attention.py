@@ -10,8 +10,12 @@ each call. Rows of length 0 are not given to cuDNN (before cuDNN 9.25 it returns
 cudnn-frontend's own tests record): the caller passes a length of at least 1 and handles such rows
 itself.
 
-    padded_fwd(q, k, v, seq_len_kv, scale=, causal=) -> (out, lse [B, Hq, S] fp32, natural log)
+    padded_fwd(q, k, v, seq_len_kv, scale=, causal=, out=None) -> (out, lse [B, Hq, S] fp32, natural log)
     padded_bwd(do, q, k, v, out, lse, seq_len_kv, scale=, causal=) -> (dq, dk, dv)
+
+out (given, or made [B, Hq, S, D]-contiguous), do and the forward's out may have any strides whose
+innermost dim is dense, e.g. token-major (a [B, S, Hq, D] buffer, what attention_out_proj asks for):
+the graphs are declared with them.
 """
 from __future__ import annotations
 
@@ -85,6 +89,14 @@ def _operand(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _bshd_or_bhsd(t: torch.Tensor) -> torch.Tensor:
+    """t as a dense [B, H, S, D] tensor or the transpose of a dense [B, S, H, D] one (the two layouts
+    attention outputs and their gradients come in; an expanded or other strided gradient is copied)."""
+    if not (t.is_contiguous() or t.transpose(1, 2).is_contiguous()):
+        t = t.contiguous()
+    return _operand(t)
+
+
 def _lengths(g, B):
     cudnn = _cudnn()
     return [g.tensor(name=name, dim=[B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
@@ -118,25 +130,25 @@ def _plan(g):
     g.build_plans()
 
 
-def _build_fwd(dtype, shapes, strides, scale, causal, device):
+def _build_fwd(dtype, shapes, strides, scale, causal, device, out_stride):
     cudnn = _cudnn()
     (B, Hq, S, D), _ = shapes
     g, io, (q, k, v), (seq_q, seq_kv) = _new_graph(dtype, shapes, strides, device)
     o, stats = g.sdpa(name="fwd", q=q, k=k, v=v, generate_stats=True, attn_scale=scale, use_padding_mask=True,
                       seq_len_q=seq_q, seq_len_kv=seq_kv, **_mask_options(causal))
-    o.set_output(True).set_dim([B, Hq, S, D]).set_stride([Hq * S * D, S * D, D, 1]).set_data_type(io)
+    o.set_output(True).set_dim([B, Hq, S, D]).set_stride(list(out_stride)).set_data_type(io)
     stats.set_output(True).set_dim([B, Hq, S, 1]).set_stride([Hq * S, S, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
     _plan(g)
     return g, (q, k, v, o, stats, seq_q, seq_kv), g.get_workspace_size()
 
 
-def _build_bwd(dtype, shapes, strides, scale, causal, device):
+def _build_bwd(dtype, shapes, strides, scale, causal, device, o_do_strides):
     cudnn = _cudnn()
     (B, Hq, S, D), (_, Hkv, _, _) = shapes
     g, io, (q, k, v), (seq_q, seq_kv) = _new_graph(dtype, shapes, strides, device)
     dense = [Hq * S * D, S * D, D, 1]
-    o = g.tensor(name="o", dim=[B, Hq, S, D], stride=dense, data_type=io)
-    do = g.tensor(name="dO", dim=[B, Hq, S, D], stride=dense, data_type=io)
+    o = g.tensor(name="o", dim=[B, Hq, S, D], stride=list(o_do_strides[0]), data_type=io)
+    do = g.tensor(name="dO", dim=[B, Hq, S, D], stride=list(o_do_strides[1]), data_type=io)
     stats = g.tensor(name="stats", dim=[B, Hq, S, 1], stride=[Hq * S, S, 1, 1], data_type=cudnn.data_type.FLOAT)
     dq, dk, dv = g.sdpa_backward(name="bwd", q=q, k=k, v=v, o=o, dO=do, stats=stats, attn_scale=scale,
                                  use_padding_mask=True, seq_len_q=seq_q, seq_len_kv=seq_kv,
@@ -150,31 +162,38 @@ def _build_bwd(dtype, shapes, strides, scale, causal, device):
     return g, (q, k, v, o, do, stats, seq_q, seq_kv, dq, dk, dv), g.get_workspace_size()
 
 
-def _key(direction, q, k, v, scale, causal):
+def _key(direction, q, k, v, scale, causal, extra):
     return (direction, q.dtype, tuple(q.shape), tuple(k.shape), q.stride(), k.stride(), v.stride(), float(scale),
-            bool(causal), q.device, torch.are_deterministic_algorithms_enabled())
+            bool(causal), q.device, torch.are_deterministic_algorithms_enabled(), extra)
 
 
-def _prepared(direction, build, q, k, v, seq_len_kv, scale, causal):
-    """The cached plan of `direction` for these operands, and what every execution passes it:
-    (q, k, v as cuDNN takes them, graph, its tensors, seq_q, seq_kv [B, 1, 1, 1] int32, workspace)."""
+def _prepared(direction, build, q, k, v, seq_len_kv, scale, causal, extra):
+    """The cached plan of `direction` for these operands (and `extra`, the strides of the other
+    operands that the build declares), and what every execution passes it: (q, k, v as cuDNN takes
+    them, graph, its tensors, seq_q, seq_kv [B, 1, 1, 1] int32, workspace)."""
     q, k, v = _operand(q), _operand(k), _operand(v)
     B, _, S, _ = q.shape
-    g, t, ws = _graph(_key(direction, q, k, v, scale, causal),
+    g, t, ws = _graph(_key(direction, q, k, v, scale, causal, extra),
                       lambda: build(q.dtype, (q.shape, k.shape), (q.stride(), k.stride(), v.stride()), scale, causal,
-                                    q.device))
+                                    q.device, extra))
     seq_q = torch.full((B, 1, 1, 1), S, dtype=torch.int32, device=q.device)
     seq_kv = seq_len_kv.to(torch.int32).reshape(B, 1, 1, 1).contiguous()
     workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=q.device)
     return q, k, v, g, t, seq_q, seq_kv, workspace
 
 
-def padded_fwd(q, k, v, seq_len_kv, *, scale: float, causal: bool):
+def padded_fwd(q, k, v, seq_len_kv, *, scale: float, causal: bool, out: torch.Tensor | None = None):
     """(out [B, Hq, S, D], lse [B, Hq, S] fp32, natural log): every query row sees its batch row's
-    first seq_len_kv keys (top-left causal with `causal`). Raises Refused where cuDNN has no plan."""
-    q, k, v, g, t, seq_q, seq_kv, workspace = _prepared("fwd", _build_fwd, q, k, v, seq_len_kv, scale, causal)
+    first seq_len_kv keys (top-left causal with `causal`), written into `out` where given (any
+    strides, innermost dense and 16-byte aligned). Raises Refused where cuDNN has no plan."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif _bshd_or_bhsd(out) is not out:
+        raise ValueError("padded_fwd: out must be [B, H, S, D]-contiguous or the transpose of a contiguous "
+                         "[B, S, H, D] tensor, 16-byte aligned")
+    q, k, v, g, t, seq_q, seq_kv, workspace = _prepared("fwd", _build_fwd, q, k, v, seq_len_kv, scale, causal,
+                                                        out.stride())
     B, Hq, S, D = q.shape
-    out = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, S, 1), dtype=torch.float32, device=q.device)
     tq, tk, tv, to, tstats, tseq_q, tseq_kv = t
     g.execute({tq: q, tk: k, tv: v, to: out, tstats: lse, tseq_q: seq_q, tseq_kv: seq_kv}, workspace,
@@ -187,13 +206,15 @@ def padded_bwd(do, q, k, v, out, lse, seq_len_kv, *, scale: float, causal: bool)
     no query sees those keys, and cuDNN's padded backward need not write them (its own torch op
     declines this layout; cudnn-frontend's changelog lists zeroed padded rows as a newer kernel's
     feature), so they are set here rather than trusted."""
-    q, k, v, g, t, seq_q, seq_kv, workspace = _prepared("bwd", _build_bwd, q, k, v, seq_len_kv, scale, causal)
+    out, do = _bshd_or_bhsd(out), _bshd_or_bhsd(do)
+    q, k, v, g, t, seq_q, seq_kv, workspace = _prepared("bwd", _build_bwd, q, k, v, seq_len_kv, scale, causal,
+                                                        (out.stride(), do.stride()))
     B, Hq, S, D = q.shape
     dq = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     tq, tk, tv, to, tdo, tstats, tseq_q, tseq_kv, tdq, tdk, tdv = t
-    g.execute({tq: q, tk: k, tv: v, to: out.contiguous(), tdo: do.contiguous(),
+    g.execute({tq: q, tk: k, tv: v, to: out, tdo: do,
                tstats: lse.reshape(B, Hq, S, 1).contiguous(), tseq_q: seq_q, tseq_kv: seq_kv, tdq: dq, tdk: dk,
                tdv: dv}, workspace, handle=_handle(q.device))
     past = (torch.arange(S, device=q.device)[None, :] >= seq_kv.view(B, 1))[:, None, :, None]

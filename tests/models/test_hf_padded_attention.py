@@ -114,3 +114,25 @@ def test_a_failure_other_than_a_refusal_is_raised(monkeypatch):
     q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="EXECUTION_FAILED"):
         torch.ops.fusionpass.padded_attention(q, q, q, torch.ones(1, 8, dtype=torch.bool), scale=0.125)
+
+
+@pytest.mark.parametrize("mask", ["right", "left"])
+def test_route_writes_token_major_for_the_output_projection(monkeypatch, mask):
+    """attention_out_proj takes the route's op as it takes the kernel's: cuDNN's out (and our
+    kernel's rows in it) token-major, the head merge a view; the step equals the kernel route's."""
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", raising=False)
+    config, widths = KERNEL_WIDTHS["llama"]
+    for key, value in widths.items():
+        monkeypatch.setitem(config, key, value)
+    model = build("llama").to(torch.bfloat16).train()
+    args, kwargs = inputs("llama", mask, True)
+    fusions = ATTENTION + ["attention_out_proj"]
+    kernel, stats = compile_and_count(model, *args, fusions=fusions, train=True, kwargs=kwargs)
+    calls = _count_calls(monkeypatch)
+    got, route_stats = compile_and_count(model, *args, fusions=fusions, train=True, kwargs=kwargs,
+                                         attention_cudnn_padding=True)
+    assert near_misses() == []
+    assert route_stats == stats and stats[("flash_attention", VARIANTS["llama"])] == LAYERS
+    assert sum(n for (fusion, _), n in stats.items() if fusion == "attention_out_proj") == LAYERS
+    assert len(calls) == LAYERS
+    assert_outcomes_close(_without_zero_gradients(got), _without_zero_gradients(kernel), torch.bfloat16)

@@ -54,9 +54,10 @@ _MATMULS = (torch.matmul, operator.matmul, "matmul")
 _ADDMMS = (torch.addmm, "addmm")
 
 
-def _flash_attention():
-    # registered by fusionpass.ops, which the pass imports before any fusion runs
-    return torch.ops.fusionpass.flash_attention.default
+def _attention_ops():
+    # registered by fusionpass.ops, which the pass imports before any fusion runs; both take
+    # token_major (padded_attention: flash_attention's cuDNN route)
+    return (torch.ops.fusionpass.flash_attention.default, torch.ops.fusionpass.padded_attention.default)
 
 
 def _token_major(call: fx.Node) -> bool:
@@ -64,8 +65,9 @@ def _token_major(call: fx.Node) -> bool:
 
 
 def is_anchor(node) -> bool:
-    """A fusionpass::flash_attention call whose output is still [B, H, S, D]-contiguous."""
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is _flash_attention() and (
+    """A fusionpass::flash_attention (or padded_attention) call whose output is still
+    [B, H, S, D]-contiguous."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in _attention_ops() and (
         not _token_major(node))
 
 

@@ -26,8 +26,10 @@ SOFTCAP_TRAINING = {"attention_softcap_training": True}  # soft-capped attention
 
 def _cudnn_route(train: bool, shape: Shape, dtype) -> dict:
     """Every layer's attention through fusionpass::padded_attention: rope matches, flash_attention
-    counts the match; the op is not one attention_out_proj or rope_attention edit."""
-    return {"rope": LAYERS} if dtype == FP32 else {"rope": LAYERS, "flash_attention": LAYERS}
+    counts the match, attention_out_proj makes the op write token-major; the op is not one
+    rope_attention edits."""
+    return {"rope": LAYERS} if dtype == FP32 else {"rope": LAYERS, "flash_attention": LAYERS,
+                                                    "attention_out_proj": LAYERS}
 
 
 _cudnn_route.kernel_route = True

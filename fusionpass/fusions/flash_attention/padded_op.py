@@ -34,6 +34,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from fusionpass.fusions.flash_attention.op import token_major_empty
 from fusionpass.ops import host
 
 
@@ -82,14 +83,16 @@ def _try_library(direction, call, q, k):
 # cuDNN's part: the library on CUDA, a torch reference on CPU
 
 
-def _library_forward(q, k, v, seq_kv, scale, causal):
+def _library_forward(q, k, v, seq_kv, scale, causal, out):
+    """(out, lse), written into `out`."""
     if q.device.type == "cuda":
         from fusionpass.kernels.cudnn_attention import padded_fwd
 
-        return padded_fwd(q, k, v, seq_kv, scale=scale, causal=causal)
+        return padded_fwd(q, k, v, seq_kv, scale=scale, causal=causal, out=out)
     from fusionpass.fusions.flash_attention.op import _reference
 
-    return _reference(q, k, v, _prefix_mask(seq_kv, k.shape[2]), None, scale, causal, 0, False, 0, 0.0, None)
+    ref, lse = _reference(q, k, v, _prefix_mask(seq_kv, k.shape[2]), None, scale, causal, 0, False, 0, 0.0, None)
+    return out.copy_(ref), lse
 
 
 def _library_backward(do, q, k, v, out, lse, seq_kv, scale, causal):
@@ -111,22 +114,27 @@ def _prefix_mask(lengths: Tensor, L: int) -> Tensor:
 # cuDNN's part as an op of its own: the one piece Inductor cannot trace (cudnn-frontend's Python)
 
 
+def _empty_out(q: Tensor, token_major: bool) -> Tensor:
+    """The output buffer: [B, Hq, L, D]-contiguous, or token-major (attention_out_proj)."""
+    return token_major_empty(q) if token_major else host.empty_like(q)
+
+
 @torch.library.custom_op("fusionpass::padded_attention_library_forward", mutates_args=())
 def library_forward(q: Tensor, k: Tensor, v: Tensor, seq_kv: Tensor, prefix: Tensor, *, scale: float,
-                    causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+                    causal: bool, token_major: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(out, lse, served): cuDNN's out and lse over every row with key lengths seq_kv, and the rows
     it serves (prefix), or, where it builds no plan for the shape, outputs our kernel fills in whole
     and no row served."""
-    got = _try_library("forward", lambda: _library_forward(q, k, v, seq_kv, scale, causal), q, k)
+    out = _empty_out(q, token_major)
+    got = _try_library("forward", lambda: _library_forward(q, k, v, seq_kv, scale, causal, out), q, k)
     if got is None:
-        return host.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32), torch.zeros_like(prefix)
-    out, lse = got
-    return out.contiguous(), lse.contiguous(), prefix.clone()
+        return out, q.new_empty(q.shape[:-1], dtype=torch.float32), torch.zeros_like(prefix)
+    return out, got[1].contiguous(), prefix.clone()
 
 
 @library_forward.register_fake
-def _(q, k, v, seq_kv, prefix, *, scale, causal):
-    return host.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32), torch.empty_like(prefix)
+def _(q, k, v, seq_kv, prefix, *, scale, causal, token_major):
+    return _empty_out(q, token_major), q.new_empty(q.shape[:-1], dtype=torch.float32), torch.empty_like(prefix)
 
 
 @torch.library.custom_op("fusionpass::padded_attention_library_backward", mutates_args=())
@@ -189,14 +197,15 @@ def _by_row(served: Tensor, library: Tensor, ours: Tensor) -> Tensor:
 
 @torch.library.custom_op("fusionpass::padded_attention_rows_host", mutates_args=())
 def _rows_host(q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor, out: Tensor, lse: Tensor, served: Tensor, *,
-               scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    out, lse = _kernel_forward(q, k, v, key_padding, scale, causal, out.clone(), lse.clone(), served)
-    return out.contiguous(), lse.contiguous()
+               scale: float, causal: bool, token_major: bool) -> tuple[Tensor, Tensor]:
+    mine = _empty_out(q, token_major).copy_(out)
+    got, lse = _kernel_forward(q, k, v, key_padding, scale, causal, mine, lse.clone(), served)
+    return mine.copy_(got), lse.contiguous()
 
 
 @_rows_host.register_fake
-def _(q, k, v, key_padding, out, lse, served, *, scale, causal):
-    return host.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+def _(q, k, v, key_padding, out, lse, served, *, scale, causal, token_major):
+    return _empty_out(q, token_major), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("fusionpass::padded_attention_backward_rows_host", mutates_args=())
@@ -221,16 +230,17 @@ def _(do, q, k, v, out, lse, key_padding, dq, dk, dv, served, *, scale, causal):
 
 @torch.library.triton_op("fusionpass::padded_attention", mutates_args=())
 def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor, *, scale: float,
-                     causal: bool = False) -> tuple[Tensor, Tensor]:
+                     causal: bool = False, token_major: bool = False) -> tuple[Tensor, Tensor]:
     if q.dtype not in (torch.float16, torch.bfloat16) or key_padding.dtype != torch.bool:
         raise ValueError("padded_attention takes fp16/bf16 q, k, v and a bool key_padding")
     if q.shape[2] != k.shape[2] or key_padding.shape != (q.shape[0], k.shape[2]):
         raise ValueError("padded_attention takes square scores and a [B, L] key_padding")
     seq_kv, prefix = _lengths(key_padding)
-    out, lse, served = torch.ops.fusionpass.padded_attention_library_forward(q, k, v, seq_kv, prefix, scale=scale,
-                                                                             causal=causal)
+    out, lse, served = torch.ops.fusionpass.padded_attention_library_forward(
+        q, k, v, seq_kv, prefix, scale=scale, causal=causal, token_major=token_major)
     if q.device.type != "cuda":
-        return _rows_host(q, k, v, key_padding, out, lse, served, scale=scale, causal=causal)
+        return _rows_host(q, k, v, key_padding, out, lse, served, scale=scale, causal=causal,
+                          token_major=token_major)
     return _kernel_forward(q, k, v, key_padding, scale, causal, out, lse, served)
 
 
