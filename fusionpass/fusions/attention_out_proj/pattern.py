@@ -11,7 +11,8 @@ then `linear(x, W, b)`, `matmul(x, W)` or Conv1D's `addmm(b, x.view(-1, H*D), W)
 attention output contiguous in [B, H, S, D], Inductor lowers that reshape to a copy kernel: it
 reads and writes B*S*H*D elements, and in training keeps both tensors alive (the attention
 output for its backward, the copy for the projection's weight gradient). This fusion sets
-`token_major=True` on the fusionpass::flash_attention call (fusionpass/fusions/flash_attention/op.py):
+`token_major=True` on the fusionpass::flash_attention call (fusionpass/fusions/flash_attention/op.py;
+fusionpass::padded_attention, that fusion's cuDNN route, takes it the same way):
 the kernel then stores into a [B, S, H, D] buffer (returned as its [B, H, S, D] transpose, the
 layout PyTorch's flash/cuDNN SDPA return), the transpose is contiguous, the reshape a view, and the
 copy kernel and the second tensor are gone. BLOOM's view round trip through [B*H, S, D] (which
