@@ -238,7 +238,7 @@ class _Launch:
             if self.traced is not self.kernel and not traced(bound.values()):
                 # wrap_triton outside a trace runs its higher-order op's eager path, which costs more
                 # host time than the kernel launch itself (benchmarks/probes/cudnn_host_time.py): a
-                # custom op's body (padded_attention, linear_cross_entropy) runs so at every step
+                # custom op's body (linear_cross_entropy's) runs so at every step
                 return self.kernel[grid](*args, **kwargs)
             return self.traced[grid](*args, **kwargs)
 
