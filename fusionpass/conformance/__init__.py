@@ -81,7 +81,7 @@ class Case:
     # benchmarks/results/2026-12-01-h200-conformance.md as of 67836ab).
     eager_baseline: bool = False
     # A case of a fallback: where set, (fusion, variant) must not match, and some near miss (of
-    # this fusion or one it follows, e.g. attention for rope_attention) must contain this text:
+    # this fusion or one it follows, e.g. attention for q's rotation inside it) must contain this text:
     # the cost rule or guard that keeps a route out on CUDA. `expect` then holds what matches
     # instead. CPU graphs may take such routes, so --device cpu skips these cases.
     near_miss: str | None = None

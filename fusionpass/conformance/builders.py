@@ -2,8 +2,8 @@
 `fusionpass/fusions/<fusion>/cases.py`; the attention layers that five of them share are in
 `fusionpass.conformance.attention_layers`).
 
-Norm cases (rms_norm_residual, layer_norm_dropout_residual) draw hidden states of a `NormShape`.
-Rope, swiglu_mlp and linear_cross_entropy each get a matrix: every dtype the fusion claims (fp32,
+The norm fusions' cases draw hidden states of a `NormShape`. The rotary, gated-MLP and loss
+fusions each get a matrix: every dtype the fusion claims (fp32,
 fp16, bf16) x three shapes with odd sizes (sequence lengths, rows and vocabularies that are no
 multiple of a block) x training and inference. The model forms a fusion knows are dealt out over
 the matrix's slots in turn (`rotating`), so that every form appears (in both training and
@@ -46,13 +46,13 @@ class NormShape:
 
 def randn_hidden(shape: NormShape, dtype, device, away_from_zero=False):
     t = torch.randn(shape.batch, shape.seq, shape.width, device=device)
-    if away_from_zero:  # makes a dropout mask readable from the outputs (layer_norm_dropout_residual's cases)
+    if away_from_zero:  # makes a dropout mask readable from the outputs (the dropout norm's cases)
         t = torch.where(t >= 0, t + 0.25, t - 0.25)
     return t.to(dtype)
 
 
 # =============================================================================================
-# matrices of forms x dtypes x shapes (rope, swiglu_mlp, linear_cross_entropy)
+# matrices of forms x dtypes x shapes (the rotary, gated-MLP and loss fusions)
 
 
 def case(fusion, variant, form, dtype, shape, train, make, expect, config=None) -> Case:

@@ -1,14 +1,17 @@
-"""The census of model families (issue 43): the transformers families users train (causal LMs, an
-encoder, an encoder-decoder), each as a tiny
-config that every fusion's guards can see at work on the CPU (the cost rules' width and vocabulary
-bounds opened), run through the conformance runner in bf16 and the way the HF Trainer runs it with
-bf16=True (autocast over fp32 weights, a collator's all-ones attention_mask, fp32 logits returned).
+"""The model families users train, as data: which fusions apply to each and how often, per layer
+and once (the final norm, the loss), from which every model case's expected match counts are
+derived (`model_steps.expected`). So a fusion that starts or stops matching on a family fails its
+cases until its declaration here says so. Two case sets read it:
 
-Each family declares which fusions apply to it and how often: per layer, and once (the
-final norm, the loss). The expected match counts are derived from that, so a fusion that starts or
-stops matching on a family fails `tests/models/test_family_census.py` until its declaration says so.
-What does not match yet is written next to the family, with the near miss that explains it: those
-are the census's findings, and the issues' work list.
+- `MODELS`: small real Hugging Face models, 2 layers at real widths, bf16, against the float64
+  eager model on the GPU (`conformance/cases_models.py` builds their cases);
+- `FAMILIES`, the census (issue 43): the transformers families users train (causal LMs, an
+  encoder, an encoder-decoder), each as a tiny config that every fusion's guards can see at work on
+  the CPU (the cost rules' width and vocabulary bounds opened), run through the conformance runner
+  in bf16 and the way the HF Trainer runs it with bf16=True (autocast over fp32 weights, a
+  collator's all-ones attention_mask, fp32 logits returned). What does not match yet is written
+  next to the family, with the near miss that explains it: those are the census's findings, and
+  the issues' work list.
 
 The GPU half of the census reads this table: `python benchmarks/suite.py --only families` times one
 training step of each family at the published widths of one of its checkpoints, two layers, plain
@@ -23,11 +26,148 @@ from collections.abc import Mapping
 import torch
 
 from fusionpass.conformance import FLOOR, Case
-from fusionpass.conformance.cases_models import TrainerLM, expected
+from fusionpass.conformance.model_steps import INFER_ONLY, TRAIN_ONLY, TrainerLM, expected
+
+LAYERS = 2
+_NO_DROPOUT = dict(attention_dropout=0.0, hidden_dropout=0.0)
+
+
+# ---- Small real models at real widths (conformance/cases_models.py builds their cases) ----
+
+# What fusionpass matches in a model's graph, derived from its layers: per layer, the fusions that
+# apply there and how often (an int, or (training, inference) where the modes differ), then what
+# matches once, outside the layers (the final norm). A change here is a change of what fusionpass
+# compiles; the counts were read off the H200 runs (torch 2.11, transformers 5.17, default config;
+# bert's on CPU, torch 2.13).
+# Llama-style decoder layers: two RMSNorms in training (the second fuses the attention's residual
+# add; in inference the norm measured slower than Inductor's at every width, its cost_table.py),
+# RoPE, the SwiGLU MLP in training (its recompute-product route; inference at these row counts stays with
+# Inductor, swiglu_mlp's cost rule); SDPA with transformers' causal mask proven causal ...
+SDPA_DECODER = {"rms_norm_residual": (2, 0), "rope": 1, "sdpa_mask": 1, "swiglu_mlp": TRAIN_ONLY}
+# ... or, in eager attention or under a sliding window, the attention kernel with its output
+# projection, q's rotation inside it in inference.
+KERNEL_DECODER = {"rms_norm_residual": (2, 0), "rope": 1, "flash_attention": 1, "rope_attention": INFER_ONLY,
+                  "attention_out_proj": 1, "swiglu_mlp": TRAIN_ONLY}
+FINAL_NORM = {"rms_norm_residual": (1, 0)}
+# Attention in the kernel with its output projection (eager math, ALiBi); dropout + residual +
+# LayerNorm fuses in training (in inference these widths are below its cost rule's).
+KERNEL_ATTENTION = {"flash_attention": 1, "attention_out_proj": 1}
+TRAINING_LAYER_NORMS = {"layer_norm_dropout_residual": (2, 0)}
+
+
+def _llama_like(hidden=2048, heads=16, kv_heads=4, head_dim=128, ffn=5632):
+    return dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=1024, pad_token_id=0,
+                attention_dropout=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    config_class: str
+    model_class: str  # an Auto* class
+    attention: str    # transformers' attention implementation
+    batch: int
+    seq: int
+    vocab: int
+    masked_lm: bool
+    config: dict
+    layers: tuple[Mapping[str, int | tuple[int, int]], ...]  # one per layer, LAYERS of them
+    once: Mapping[str, int | tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    def expected(self, train: bool) -> dict[str, int]:
+        return expected(self.layers, self.once, train)
+
+
+def _alike(layer, **kw):
+    return dict(layers=(layer,) * LAYERS, **kw)
+
+
+MODELS = {
+    "llama": Model("LlamaConfig", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False, _llama_like(),
+                   **_alike(SDPA_DECODER, once=FINAL_NORM)),
+    # the model the rope_attention bug was seen on (eager attention, 16/4 heads, head dim 128)
+    "llama-eager": Model("LlamaConfig", "AutoModelForCausalLM", "eager", 4, 512, 32000, False, _llama_like(),
+                         **_alike(KERNEL_DECODER, once=FINAL_NORM)),
+    "mistral": Model("MistralConfig", "AutoModelForCausalLM", "sdpa", 2, 257, 32000, False,
+                     dict(_llama_like(), sliding_window=None), **_alike(SDPA_DECODER, once=FINAL_NORM)),
+    # a sliding window shorter than the sequence in every layer (flash_attention's window route)
+    "mistral-window": Model("MistralConfig", "AutoModelForCausalLM", "sdpa", 2, 257, 32000, False,
+                            dict(_llama_like(), sliding_window=129), **_alike(KERNEL_DECODER, once=FINAL_NORM)),
+    # Gemma-3's local then global layer (head dim 256, query_pre_attn_scalar's scale, q/k norms): four
+    # RMSNorms a layer (its q/k norms are narrower than the cost rule's width), the window in the kernel,
+    # the global layer's causal mask proven
+    "gemma3": Model("Gemma3TextConfig", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False,
+                    dict(_llama_like(heads=8, kv_heads=4, head_dim=256), sliding_window=129,
+                         layer_types=["sliding_attention", "full_attention"]),
+                    layers=({**KERNEL_DECODER, "rms_norm_residual": (4, 0)},
+                            {**SDPA_DECODER, "rms_norm_residual": (4, 0)}),
+                    once=FINAL_NORM),
+    "qwen2": Model("Qwen2Config", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False, _llama_like(),
+                   **_alike(SDPA_DECODER, once=FINAL_NORM)),
+    "qwen3": Model("Qwen3Config", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False, _llama_like(),
+                   **_alike(SDPA_DECODER, once=FINAL_NORM)),
+    "phi3": Model("Phi3Config", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False,
+                  dict(_llama_like(kv_heads=16), resid_pdrop=0.0, embd_pdrop=0.0), **_alike(SDPA_DECODER, once=FINAL_NORM)),
+    "gemma": Model("GemmaConfig", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False,
+                   dict(_llama_like(head_dim=128), hidden_activation="gelu_pytorch_tanh"),
+                   **_alike(SDPA_DECODER, once=FINAL_NORM)),
+    "gpt2-eager": Model("GPT2Config", "AutoModelForCausalLM", "eager", 4, 513, 32000, False,
+                        dict(n_embd=768, n_layer=2, n_head=12, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
+                             attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+                        **_alike({**KERNEL_ATTENTION, **TRAINING_LAYER_NORMS})),
+    "gpt2-sdpa": Model("GPT2Config", "AutoModelForCausalLM", "sdpa", 4, 513, 32000, False,
+                       dict(n_embd=768, n_layer=2, n_head=12, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+                       **_alike({"sdpa_mask": 1, **TRAINING_LAYER_NORMS})),
+    "bert": Model("BertConfig", "AutoModelForMaskedLM", "sdpa", 4, 509, 30522, True,
+                  dict(hidden_size=768, num_hidden_layers=2, num_attention_heads=12, intermediate_size=3072,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+                  **_alike({"sdpa_mask": 1, **TRAINING_LAYER_NORMS})),
+    # ModernBERT's global then local layer: the global one's all-true mask proven, the local band in
+    # the kernel
+    "modernbert": Model("ModernBertConfig", "AutoModelForMaskedLM", "sdpa", 4, 509, 32000, True,
+                        dict(hidden_size=768, intermediate_size=1152, num_hidden_layers=2, num_attention_heads=12,
+                             attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0, pad_token_id=0,
+                             max_position_embeddings=1024),
+                        layers=({"sdpa_mask": 1, **TRAINING_LAYER_NORMS}, {**KERNEL_ATTENTION, **TRAINING_LAYER_NORMS})),
+    "bloom": Model("BloomConfig", "AutoModelForCausalLM", "eager", 2, 301, 32000, False,
+                   dict(hidden_size=1024, n_layer=2, n_head=16, **_NO_DROPOUT),
+                   **_alike({**KERNEL_ATTENTION, **TRAINING_LAYER_NORMS})),
+    "falcon-alibi": Model("FalconConfig", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False,
+                          dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, alibi=True,
+                               new_decoder_architecture=False, multi_query=False, **_NO_DROPOUT),
+                          **_alike(KERNEL_ATTENTION)),
+    "gpt-neox": Model("GPTNeoXConfig", "AutoModelForCausalLM", "eager", 2, 301, 32000, False,
+                      dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, intermediate_size=4096,
+                           rotary_pct=0.25, max_position_embeddings=1024, **_NO_DROPOUT),
+                      **_alike({"rope": 1, **KERNEL_ATTENTION})),
+    # GPT-J's eager attention has no route: in a bf16 model its _attn upcasts q and k but not v (mixed
+    # dtypes, a near miss), and fp32 attention stays out of the kernels on CUDA
+    "gptj": Model("GPTJConfig", "AutoModelForCausalLM", "eager", 2, 301, 32000, False,
+                  dict(n_embd=1024, n_layer=2, n_head=16, rotary_dim=64, n_positions=1024, resid_pdrop=0,
+                       embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0),
+                  **_alike({"rope": 1})),
+    # OPT: its eager attention in the kernel in inference only; in training one LayerNorm a layer
+    "opt": Model("OPTConfig", "AutoModelForCausalLM", "eager", 2, 301, 32000, False,
+                 dict(hidden_size=1024, num_hidden_layers=2, ffn_dim=4096, num_attention_heads=16, dropout=0.0,
+                      attention_dropout=0.0, layerdrop=0.0, max_position_embeddings=1024, word_embed_proj_dim=1024),
+                 **_alike({"flash_attention": INFER_ONLY, "attention_out_proj": INFER_ONLY,
+                           "layer_norm_dropout_residual": TRAIN_ONLY})),
+}
+
+
+# A training loop's loss through fusionpass.loss_only: the loss fuses (its vocabulary bound opened
+# by the case), the model's own counts otherwise
+LOSS_ONLY_ONCE = {"linear_cross_entropy": 1}
+# The Trainer's path (bf16=True): every fusion of the layer matched (the collator's mask puts
+# attention in the kernel), the final norm and the loss
+TRAINER_EXPECT = expected((KERNEL_DECODER,) * LAYERS, {**FINAL_NORM, **LOSS_ONLY_ONCE}, train=True)
+
+
+# ---- The census: tiny configs of every family ----
 
 # Shared by every tiny config: 2 layers, 4 query and 2 key/value heads of 64 channels, a 256-token
 # vocabulary, no dropout (a float64 reference cannot draw the compiled graph's masks).
-LAYERS = 2
 TINY = dict(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, max_position_embeddings=128, attention_dropout=0.0, pad_token_id=0,
             bos_token_id=1, eos_token_id=2)
