@@ -56,7 +56,7 @@ TRAINING_LAYER_NORMS = {"layer_norm_dropout_residual": (2, 0)}
 
 
 def _llama_like(hidden=2048, heads=16, kv_heads=4, head_dim=128, ffn=5632):
-    return dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2, num_attention_heads=heads,
+    return dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=LAYERS, num_attention_heads=heads,
                 num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=1024, pad_token_id=0,
                 attention_dropout=0.0)
 
@@ -112,44 +112,44 @@ MODELS = {
                    dict(_llama_like(head_dim=128), hidden_activation="gelu_pytorch_tanh"),
                    **_alike(SDPA_DECODER, once=FINAL_NORM)),
     "gpt2-eager": Model("GPT2Config", "AutoModelForCausalLM", "eager", 4, 513, 32000, False,
-                        dict(n_embd=768, n_layer=2, n_head=12, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
+                        dict(n_embd=768, n_layer=LAYERS, n_head=12, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
                              attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
                         **_alike({**KERNEL_ATTENTION, **TRAINING_LAYER_NORMS})),
     "gpt2-sdpa": Model("GPT2Config", "AutoModelForCausalLM", "sdpa", 4, 513, 32000, False,
-                       dict(n_embd=768, n_layer=2, n_head=12, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
+                       dict(n_embd=768, n_layer=LAYERS, n_head=12, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
                             attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
                        **_alike({"sdpa_mask": 1, **TRAINING_LAYER_NORMS})),
     "bert": Model("BertConfig", "AutoModelForMaskedLM", "sdpa", 4, 509, 30522, True,
-                  dict(hidden_size=768, num_hidden_layers=2, num_attention_heads=12, intermediate_size=3072,
+                  dict(hidden_size=768, num_hidden_layers=LAYERS, num_attention_heads=12, intermediate_size=3072,
                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
                   **_alike({"sdpa_mask": 1, **TRAINING_LAYER_NORMS})),
     # ModernBERT's global then local layer: the global one's all-true mask proven, the local band in
     # the kernel
     "modernbert": Model("ModernBertConfig", "AutoModelForMaskedLM", "sdpa", 4, 509, 32000, True,
-                        dict(hidden_size=768, intermediate_size=1152, num_hidden_layers=2, num_attention_heads=12,
+                        dict(hidden_size=768, intermediate_size=1152, num_hidden_layers=LAYERS, num_attention_heads=12,
                              attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0, pad_token_id=0,
                              max_position_embeddings=1024),
                         layers=({"sdpa_mask": 1, **TRAINING_LAYER_NORMS}, {**KERNEL_ATTENTION, **TRAINING_LAYER_NORMS})),
     "bloom": Model("BloomConfig", "AutoModelForCausalLM", "eager", 2, 301, 32000, False,
-                   dict(hidden_size=1024, n_layer=2, n_head=16, **_NO_DROPOUT),
+                   dict(hidden_size=1024, n_layer=LAYERS, n_head=16, **_NO_DROPOUT),
                    **_alike({**KERNEL_ATTENTION, **TRAINING_LAYER_NORMS})),
     "falcon-alibi": Model("FalconConfig", "AutoModelForCausalLM", "sdpa", 2, 301, 32000, False,
-                          dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, alibi=True,
+                          dict(hidden_size=1024, num_hidden_layers=LAYERS, num_attention_heads=16, alibi=True,
                                new_decoder_architecture=False, multi_query=False, **_NO_DROPOUT),
                           **_alike(KERNEL_ATTENTION)),
     "gpt-neox": Model("GPTNeoXConfig", "AutoModelForCausalLM", "eager", 2, 301, 32000, False,
-                      dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, intermediate_size=4096,
+                      dict(hidden_size=1024, num_hidden_layers=LAYERS, num_attention_heads=16, intermediate_size=4096,
                            rotary_pct=0.25, max_position_embeddings=1024, **_NO_DROPOUT),
                       **_alike({"rope": 1, **KERNEL_ATTENTION})),
     # GPT-J's eager attention has no route: in a bf16 model its _attn upcasts q and k but not v (mixed
     # dtypes, a near miss), and fp32 attention stays out of the kernels on CUDA
     "gptj": Model("GPTJConfig", "AutoModelForCausalLM", "eager", 2, 301, 32000, False,
-                  dict(n_embd=1024, n_layer=2, n_head=16, rotary_dim=64, n_positions=1024, resid_pdrop=0,
+                  dict(n_embd=1024, n_layer=LAYERS, n_head=16, rotary_dim=64, n_positions=1024, resid_pdrop=0,
                        embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0),
                   **_alike({"rope": 1})),
     # OPT: its eager attention in the kernel in inference only; in training one LayerNorm a layer
     "opt": Model("OPTConfig", "AutoModelForCausalLM", "eager", 2, 301, 32000, False,
-                 dict(hidden_size=1024, num_hidden_layers=2, ffn_dim=4096, num_attention_heads=16, dropout=0.0,
+                 dict(hidden_size=1024, num_hidden_layers=LAYERS, ffn_dim=4096, num_attention_heads=16, dropout=0.0,
                       attention_dropout=0.0, layerdrop=0.0, max_position_embeddings=1024, word_embed_proj_dim=1024),
                  **_alike({"flash_attention": INFER_ONLY, "attention_out_proj": INFER_ONLY,
                            "layer_norm_dropout_residual": TRAIN_ONLY})),
