@@ -191,15 +191,15 @@ def model_cases(smoke):
                   hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama(8)), True, *shape(1, 8192), packed=8),
         ModelCase("HF Llama 8L h2048 GQA 16/4, all-ones attention_mask",
                   hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama(8)), True, *shape(8, 1024), True),
-        # issue 40: the collator's masks on Llama-3.2-1B's shape (head dim 64), our kernel (the
-        # default) and the opt-in cuDNN padding route (fusionpass::padded_attention)
+        # issue 40: the collator's masks on Llama-3.2-1B's shape (head dim 64), the cuDNN padding
+        # route (fusionpass::padded_attention, the default at this length) and our kernel alone
         *(ModelCase(f"Llama-3.2-1B shape, {mask}{route}",
                     hf_model("LlamaConfig", causal_lm, "sdpa", smoke, **llama_1b), True, *shape(4, 2048),
                     all_ones_mask=mask == "all-ones attention_mask",
                     lengths=None if mask == "all-ones attention_mask" else ((4, 16) if smoke else (512, 2048)),  # uniform
                     settings=settings)
           for mask in ("all-ones attention_mask", "right padding")
-          for route, settings in (("", {}), (", cuDNN padding route", {"attention_cudnn_padding": True}))),
+          for route, settings in (("", {}), (", our kernel alone", {"attention_cudnn_padding": False}))),
         ModelCase("GPT-2 small widths 6L, eager attention",
                   hf_model("GPT2Config", causal_lm, "eager", smoke, n_layer=6), True, *shape(16, 1024)),
         ModelCase("BERT-base MLM widths 6L, sdpa", hf_model("BertConfig", mlm, "sdpa", smoke, num_hidden_layers=6),

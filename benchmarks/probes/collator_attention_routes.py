@@ -249,6 +249,18 @@ def sweep(q, k, v, do, kp, causal):
     return found
 
 
+def at_lengths(names) -> list[tuple]:
+    """Shapes named "<shape> S<length>": the named shape at another sequence length, its batch scaled
+    so that the tokens per step stay those of the shape (the Trainer's B x S budget)."""
+    out = []
+    for wanted in names:
+        base, _, length = wanted.rpartition(" S")
+        for name, B, Hq, Hkv, S, D, causal in SHAPES:
+            if name == base and length.isdigit():
+                out.append((wanted, max(1, B * S // int(length)), Hq, Hkv, int(length), D, causal))
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -272,6 +284,7 @@ def main():
         except Exception as e:  # only a record: the calls say whether it runs
             result["cudnn_backend_seen_by_frontend"] = f"{type(e).__name__}: {e}"[:200]
     wanted = set(args.shapes.split(",")) if args.shapes else None
+    shapes = SHAPES if wanted is None else [*SHAPES, *at_lengths(wanted)]
 
     def record(key, row):
         # written after every row: a run stopped at the device's time limit still leaves its rows
@@ -281,7 +294,7 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
 
-    for name, B, Hq, Hkv, S, D, causal in SHAPES:
+    for name, B, Hq, Hkv, S, D, causal in shapes:
         if wanted and name not in wanted:
             continue
         gen = torch.Generator(device="cuda").manual_seed(0)

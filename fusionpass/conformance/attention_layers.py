@@ -556,6 +556,7 @@ GP1000 = Shape(2, 12, 2, 1000, 80)
 GPD256 = Shape(2, 4, 2, 301, 256)  # Gemma's head dim
 G1000_128 = Shape(1, 12, 2, 1000, 128)  # rope_attention: power-of-two head dims only
 G333_256 = Shape(2, 4, 2, 333, 256)
+GP2049 = Shape(2, 8, 2, 2049, 64)  # past the cuDNN padding route's shortest length
 M77 = Shape(2, 12, 12, 77, 64)
 M513 = Shape(1, 8, 8, 513, 128)
 M1000 = Shape(2, 4, 4, 1000, 256)

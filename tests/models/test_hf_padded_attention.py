@@ -1,5 +1,6 @@
-"""fusionpass::padded_attention, the cuDNN route for an HF collator's mask (attention_cudnn_padding,
-opt-in): on a tiny Llama and BERT in bf16 it replaces every layer's attention, and the step equals
+"""fusionpass::padded_attention, the cuDNN route for an HF collator's mask (attention_cudnn_padding:
+on by default for causal masks from attention_cudnn_padding_min_length's query length, all-true
+masks opt-in): on a tiny Llama and BERT in bf16 it replaces every layer's attention, and the step equals
 the kernel route's (fusionpass::flash_attention with the same key padding) for all-ones, right- and
 left-padded batches, forward and every gradient. On the CPU, cuDNN's part is a torch reference with
 the same key lengths: this proves the per-row choice between cuDNN and our kernel, the rewrite and
@@ -21,6 +22,8 @@ from fusionpass.fusions.flash_attention import padded_op as op  # noqa: E402
 
 ATTENTION = ["flash_attention"]
 VARIANTS = {"llama": "causal_kernel_padded", "bert": "none_kernel_padded"}
+# the route at the tiny models' lengths (its default shortest length is longer); BERT's all-true mask
+ROUTE = {"attention_cudnn_padding_min_length": 1, "attention_cudnn_padding_all_true": True}
 
 
 def _count_calls(monkeypatch):
@@ -44,11 +47,11 @@ def test_route_equals_the_kernel_route(monkeypatch, family, mask):
         monkeypatch.setitem(config, key, value)
     model = build(family).to(torch.bfloat16).train()
     args, kwargs = inputs(family, mask, True)
-    kernel, stats = compile_and_count(model, *args, fusions=ATTENTION, train=True, kwargs=kwargs)
+    kernel, stats = compile_and_count(model, *args, fusions=ATTENTION, train=True, kwargs=kwargs,
+                                      attention_cudnn_padding=False)
     assert stats == {("flash_attention", VARIANTS[family]): LAYERS}
     calls = _count_calls(monkeypatch)
-    got, stats = compile_and_count(model, *args, fusions=ATTENTION, train=True, kwargs=kwargs,
-                                   attention_cudnn_padding=True)
+    got, stats = compile_and_count(model, *args, fusions=ATTENTION, train=True, kwargs=kwargs, **ROUTE)
     assert near_misses() == []
     assert stats == {("flash_attention", VARIANTS[family]): LAYERS}
     assert len(calls) == LAYERS  # every layer's attention went through padded_attention
@@ -72,10 +75,33 @@ def test_prefix_rows():
     assert seq_kv.tolist() == [4, 2, 4, 4, 4] and torch.equal(skipped, prefix)
 
 
-def test_off_by_default():
+def test_on_by_default_for_causal_masks_from_the_shortest_length(monkeypatch):
+    """At the default settings the route takes a causal mask from attention_cudnn_padding_min_length
+    on and leaves a shorter one, and an all-true one, to our kernel, saying why."""
     from fusionpass import config as config_mod
+    from fusionpass.passes import STATISTICS
 
-    assert config_mod.make().attention_cudnn_padding is False
+    cfg = config_mod.make()
+    assert cfg.attention_cudnn_padding is True and cfg.attention_cudnn_padding_all_true is False
+    monkeypatch.delenv("FUSIONPASS_ATTENTION_RUNTIME_CHECK", raising=False)
+    for family in ("llama", "bert"):
+        config, widths = KERNEL_WIDTHS[family]
+        for key, value in widths.items():
+            monkeypatch.setitem(config, key, value)
+    for family, length, routed, why in [("llama", 1, True, None),
+                                        ("llama", cfg.attention_cudnn_padding_min_length, False, "query length"),
+                                        ("bert", 1, False, "all-true mask")]:
+        model = build(family).to(torch.bfloat16).train()
+        args, kwargs = inputs(family, "right", True)
+        calls = _count_calls(monkeypatch)
+        _, stats = compile_and_count(model, *args, fusions=ATTENTION, train=True, kwargs=kwargs,
+                                     attention_cudnn_padding_min_length=length)
+        assert stats == {("flash_attention", VARIANTS[family]): LAYERS}
+        assert len(calls) == (LAYERS if routed else 0)
+        kernels = [k for r in STATISTICS.records for fusion, _, k, _ in r.kernels if fusion == "flash_attention"]
+        assert len(kernels) == LAYERS
+        assert all(("padded_attention" in k) == routed for k in kernels)
+        assert why is None or all("not cuDNN's padding route: " in k and why in k for k in kernels)
 
 
 def test_a_shape_cudnn_refuses_goes_to_our_kernel(monkeypatch):
@@ -127,10 +153,10 @@ def test_route_writes_token_major_for_the_output_projection(monkeypatch, mask):
     model = build("llama").to(torch.bfloat16).train()
     args, kwargs = inputs("llama", mask, True)
     fusions = ATTENTION + ["attention_out_proj"]
-    kernel, stats = compile_and_count(model, *args, fusions=fusions, train=True, kwargs=kwargs)
+    kernel, stats = compile_and_count(model, *args, fusions=fusions, train=True, kwargs=kwargs,
+                                      attention_cudnn_padding=False)
     calls = _count_calls(monkeypatch)
-    got, route_stats = compile_and_count(model, *args, fusions=fusions, train=True, kwargs=kwargs,
-                                         attention_cudnn_padding=True)
+    got, route_stats = compile_and_count(model, *args, fusions=fusions, train=True, kwargs=kwargs, **ROUTE)
     assert near_misses() == []
     assert route_stats == stats and stats[("flash_attention", VARIANTS["llama"])] == LAYERS
     assert sum(n for (fusion, _), n in stats.items() if fusion == "attention_out_proj") == LAYERS

@@ -13,14 +13,15 @@ import torch
 
 from fusionpass.conformance import Case
 from fusionpass.conformance.attention_layers import (
-    F77, G1000, G1000_128, G333_256, G513, G77, GP1000, GP513, GP77, GPD256, GPT2, KERNEL, LAYERS, M1000,
+    F77, G1000, G1000_128, G333_256, G513, GP2049, G77, GP1000, GP513, GP77, GPD256, GPT2, KERNEL, LAYERS, M1000,
     M513, M77, MP1000, MP513, MP77, Bert, Bloom, DeepseekMLA, Falcon, Gemma2, GptOss, Llama, Mpt, PackedLlama,
     Shape, always, kernel_counts, layer_cases,
 )
 from fusionpass.conformance.builders import BF16, FP16, FP32
 
 
-CUDNN_PADDING = {"attention_cudnn_padding": True}  # fusionpass::padded_attention (opt-in)
+# fusionpass::padded_attention at the cases' short lengths (on by default from a longer one)
+CUDNN_PADDING = {"attention_cudnn_padding": True, "attention_cudnn_padding_min_length": 1}
 SOFTCAP_TRAINING = {"attention_softcap_training": True}  # soft-capped attention in training (opt-in)
 
 
@@ -35,11 +36,11 @@ def _cudnn_route(train: bool, shape: Shape, dtype) -> dict:
 _cudnn_route.kernel_route = True
 
 
-def _cudnn_cases(rows) -> list[Case]:
+def _cudnn_cases(rows, settings=CUDNN_PADDING, name="llama-sdpa-cudnn") -> list[Case]:
     """The cuDNN route's cases: on CUDA they fail without cudnn-frontend (the `cudnn` extra), so that
     a run without it can never pass them through our kernel alone."""
-    cases = layer_cases("flash_attention", "causal_kernel_padded", "llama-sdpa-cudnn", Llama, _cudnn_route, rows,
-                        CUDNN_PADDING, impl="sdpa")
+    cases = layer_cases("flash_attention", "causal_kernel_padded", name, Llama, _cudnn_route, rows,
+                        settings, impl="sdpa")
 
     def needs_cudnn(make):
         def checked(dtype, device):
@@ -176,6 +177,8 @@ CASES = [
         (BF16, GP77, False, "left_empty"), (BF16, GP513, True, "right"), (FP16, GP513, True, "left_empty"),
         (BF16, GPD256, True, "right"), (BF16, GPD256, False, "ones"), (FP32, GP77, True, "right"),
     ]),
+    # ... and at the default settings, past its shortest query length
+    *_cudnn_cases([(BF16, GP2049, True, "right"), (FP16, GP2049, False, "left_empty")], {}, "llama-sdpa-cudnn-default"),
     # sliding windows at the default config (attention_sliding_window), without attention_kernel:
     # windows of 1, 64 and 333 keys, with and without padding (left padding: rows that see no key)
     *layer_cases("flash_attention", "sliding_window_kernel", "mistral-sdpa-default-w1", Llama,

@@ -14,7 +14,11 @@ On by default, where SDPA has no fast kernel for what the model computes:
     collator passes, all ones or not), over square scores (Lq == Lk, no cache): plain compile runs
     SDPA with the materialized [B, 1, L, L] mask there; the kernel reads a [B, Lk] key-padding
     vector (`attention_causal_padding`, on by default up to head dim 128, `padding_cost`;
-    benchmarks/results/latest/flash_attention.md, benchmarks/results/kernel/collator_attention_routes.md);
+    benchmarks/results/latest/flash_attention.md, benchmarks/results/kernel/collator_attention_routes.md).
+    From query length `attention_cudnn_padding_min_length` on, with the `cudnn` extra installed,
+    fusionpass::padded_attention serves it instead: cuDNN with device sequence lengths for the rows
+    whose keys are a prefix (all ones, right padding), our kernel for the others, chosen per row on
+    the device (`attention_cudnn_padding`, `cudnn_padding_miss`);
   - SDPA with a causal mask AND the sequence segments of packed sequences (transformers' mask for
     position ids that restart at each sequence, `DataCollatorWithFlattening`: seg[b, q] ==
     seg[b, kv] with seg a cumsum over the row, so nondecreasing) over square scores: the kernel
@@ -340,37 +344,55 @@ def kernel_constants(m: Match, cfg) -> str | None:
 _CUDNN_HEAD_DIMS = (64, 128, 256)
 
 
-def cudnn_padding_route(m: Match, cfg) -> bool:
-    """Whether fusionpass::padded_attention serves the match instead of our kernel alone: a causal
-    (top-left) or all-true mask with run-time key padding over square scores, nothing else on it
-    (no dropout, window, bias, segments, MLA), fp16/bf16, a head dim cuDNN takes, and cudnn-frontend
-    there when the graph is on CUDA. Opt-in (attention_cudnn_padding) until it is measured."""
+def cudnn_padding_miss(m: Match, cfg) -> str | None:
+    """Why fusionpass::padded_attention does not serve the match, or None where it does. It takes a
+    causal (top-left) mask with run-time key padding over square scores (an all-true one too where
+    attention_cudnn_padding_all_true), nothing else on it (no dropout, window, bias, segments, MLA),
+    fp16/bf16, a head dim cuDNN takes, a query length within CUDNN_LENGTH, and cudnn-frontend there
+    when the graph is on CUDA."""
     b = m.bindings
     args = b["args"]
-    if not cfg.attention_cudnn_padding or b.get("key_padding") is None or b["kind"] not in ("causal", "none"):
-        return False
+    if not cfg.attention_cudnn_padding:
+        return "the cuDNN padding route is off (attention_cudnn_padding=False)"
+    if b.get("key_padding") is None or b["kind"] not in ("causal", "none"):
+        return "not a causal or all-true mask with key padding"
+    if b["kind"] == "none" and not cfg.attention_cudnn_padding_all_true:
+        return "an all-true mask (attention_cudnn_padding_all_true=False)"
     if b["window"] or b["shift"] != 0 or b.get("eager") is not None or b.get("empty_rows"):
-        return False
+        return "a window, a diagonal offset or eager math"
     if b.get("segments") is not None or b.get("key_bias") is not None or float(args["dropout_p"]) > 0:
-        return False
+        return "segments, a key bias or dropout"
     q, k, v = g.tensor(args["query"]), g.tensor(b["key"]), g.tensor(b["value"])
     if q.dtype not in (torch.float16, torch.bfloat16) or not statically_known_true(q.shape[-2] == k.shape[-2]):
-        return False
+        return "not fp16/bf16 over square scores"
     if g.static_int(q.shape[-1]) not in _CUDNN_HEAD_DIMS or g.static_int(v.shape[-1]) != g.static_int(q.shape[-1]):
-        return False
+        return f"head dims other than {'/'.join(map(str, _CUDNN_HEAD_DIMS))} (equal for q, k and v)"
+    length = g.sizes(q.shape[-2])
+    why = CUDNN_LENGTH.check_sizes(length, mode(bool(q.requires_grad)), cfg) if length is not None else "no length"
+    if why is not None:
+        return f"{why} (attention_cudnn_padding_min_length)"
     if q.device.type == "cuda":
         from fusionpass.kernels import cudnn_attention
 
-        return cudnn_attention.available()
-    return True
+        if not cudnn_attention.available():
+            return "cudnn-frontend is not installed (the `cudnn` extra: pip install fusionpass[cudnn]), which is faster here"
+    return None
+
+
+def cudnn_padding_route(m: Match, cfg) -> bool:
+    """Whether fusionpass::padded_attention serves the match instead of our kernel alone."""
+    return cudnn_padding_miss(m, cfg) is None
 
 
 def kernel_of(m: Match, cfg) -> str:
     """Which kernel runs for the match (explain): cuDNN's padding mask with our kernel for the rows
     it cannot take (fusionpass::padded_attention), or our kernel for the route's form."""
-    if cudnn_padding_route(m, cfg):
+    why = cudnn_padding_miss(m, cfg)
+    if why is None:
         return ("cuDNN with device sequence lengths for right-padded and all-ones rows, fusionpass flash for "
                 "the others (padded_attention)")
+    if m.variant in ("causal_kernel_padded", "none_kernel_padded"):
+        return f"fusionpass flash ({m.variant}); not cuDNN's padding route: {why}"
     return f"fusionpass flash ({m.variant})"
 
 
@@ -561,12 +583,19 @@ class Options:
     # (benchmarks/results/latest/attention_eager_forms.md).
     sinks: bool = option(True, "eager-math attention whose softmax takes a learned logit per head as a last "
                                 "column (gpt-oss's attention sinks) -> fusionpass::flash_attention with sinks")
-    # Off: faster per call than our kernel (benchmarks/results/kernel/collator_attention_routes.md) but
-    # the Trainer step is slower with it, as the op's host code runs at every step
-    # (benchmarks/results/kernel/cudnn_host_time.md). Needs the `cudnn` extra (nvidia-cudnn-frontend).
-    cudnn_padding: bool = option(False, "causal or all-true masks with run-time key padding over square scores "
-                                        "-> fusionpass::padded_attention: cuDNN's padding mask for rows whose "
-                                        "keys are a prefix, our kernel for the others")
+    # On from CUDNN_LENGTH's query length: there it measured faster than our kernel alone and than
+    # plain compile's cuDNN-with-bias, per call (benchmarks/results/kernel/collator_attention_routes.md)
+    # and on the Trainer step (benchmarks/results/trainer/2026-12-06-h100-f230b911-bf16.md against
+    # benchmarks/results/trainer/2026-12-06-h100-f230b911-cudnn-padding-on-bf16.json). Needs the
+    # `cudnn` extra (nvidia-cudnn-frontend); without it our kernel serves the match.
+    cudnn_padding: bool = option(True, "causal masks with run-time key padding over square scores -> "
+                                       "fusionpass::padded_attention: cuDNN's padding mask for rows whose keys "
+                                       "are a prefix, our kernel for the others")
+    cudnn_padding_min_length: int = option(2048, "the shortest query length the cuDNN padding route takes")
+    # Off: on BERT's encoder shape the route lost to plain compile's masked SDPA
+    # (benchmarks/results/kernel/collator_attention_routes.md).
+    cudnn_padding_all_true: bool = option(False, "the cuDNN padding route for all-true (encoder) masks with "
+                                                 "key padding too")
 
 
 FIELDS = fields(Options)
@@ -585,6 +614,9 @@ PADDING_DROPOUT = Range.always("attention dropout (%, rounded up) of an all-true
 # (benchmarks/results/kernel/collator_attention_routes.md). The cuDNN route (attention_cudnn_padding)
 # is not bound by it.
 CAUSAL_PADDING_HEAD_DIM = Range.always("head dim of a causal mask with key padding", None, 128)
+# The cuDNN padding route from the shortest query length where it measured faster (cudnn_padding_miss;
+# benchmarks/results/kernel/collator_attention_routes.md)
+CUDNN_LENGTH = Range.always("query length of the cuDNN padding route", FIELDS.cudnn_padding_min_length, None)
 # Soft-capped eager attention: in training slower than plain compile, though leaner
 # (benchmarks/results/latest/attention_eager_forms.md), so inference only unless switched on
 SOFTCAPPED = Range("soft-capped eager attention", training=None)
@@ -702,7 +734,8 @@ FLASH_ATTENTION = registry.register(
             "v's head dim under q's (MLA) only with attention_mla=True; "
             "fp16/bf16 on CUDA (fp32 is a near miss there, kernel_dtypes)"
         ),
-        cost=(EVERY_ROUTE, PADDING_HEAD_DIM, PADDING_DROPOUT, CAUSAL_PADDING_HEAD_DIM, SOFTCAPPED, SOFTCAP_TRAINING),
+        cost=(EVERY_ROUTE, PADDING_HEAD_DIM, PADDING_DROPOUT, CAUSAL_PADDING_HEAD_DIM, CUDNN_LENGTH, SOFTCAPPED,
+              SOFTCAP_TRAINING),
         anchor=lambda node: sdpa.has_mask_node(node) or eager.is_anchor(node),
         variants=(
             Variant("eager_kernel", _only(_eager_search, "eager_kernel")),
