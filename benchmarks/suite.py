@@ -731,7 +731,18 @@ def suite_environment() -> dict:
     env = environment()
     env["transformers"] = transformers.__version__
     env["fusionpass source digest"] = fusionpass.passes.source_digest()
+    env["cudnn-frontend"] = _cudnn_frontend()
     return env
+
+
+def _cudnn_frontend() -> str:
+    """The `cudnn` extra's version, which decides whether flash_attention's cuDNN padding route can run."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("nvidia-cudnn-frontend")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 TITLES = {"models": "model steps (every fusion, default settings)",
@@ -845,7 +856,8 @@ def trainer_section(latest: pathlib.Path = LATEST) -> str:
     env = topic["environment"]
     lines += [f"`Trainer(args=TrainingArguments(bf16=True, torch_compile=True))` after `fusionpass.install()`, "
               f"{env['model']}, a collator's all-ones attention_mask; {env['gpu']}, torch {env['torch']}, "
-              f"transformers {env.get('transformers')}, {env['date']} (`benchmarks/results/latest/trainer.md`).", "",
+              f"transformers {env.get('transformers')}, cudnn-frontend {env.get('cudnn-frontend', 'not recorded')}, "
+              f"{env['date']} (`benchmarks/results/latest/trainer.md`).", "",
               "| case | plain torch.compile ms | fusionpass ms | plain / fusionpass | peak GiB plain → fusionpass |",
               "|---|---|---|---|---|"]
     for r in topic["rows"]:
