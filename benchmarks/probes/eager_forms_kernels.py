@@ -1,5 +1,5 @@
 """Issue 43 probe: the attention kernel's soft-capping (Gemma-2) and sinks (gpt-oss) flags on the
-GPU against the float64 reference of tests/kernels/test_attention_kernel.py, at real head dims
+GPU against the float64 reference of tests/kernel_tests/test_attention_kernel.py, at real head dims
 and lengths that are no multiple of a block (kernels on CUDA, the reference on the CPU), under
 NaN-filled memory. Prints one row per case (errors relative to each tensor's largest reference
 value, and whether the outputs are finite) and writes them to $OUT/gpu_check.json (or ./).

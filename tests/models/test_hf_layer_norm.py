@@ -252,7 +252,7 @@ def test_training_with_dropout_loss_statistics(name):
 def test_explain_without_the_interpreter(monkeypatch):
     """`fusionpass explain` on a CPU machine without TRITON_INTERPRET: the same counts, and the
     fused graph runs the ops' torch reference (same masks as the kernels, see
-    tests/kernels/test_layer_norm_ops.py)."""
+    tests/kernel_tests/test_layer_norm_ops.py)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     model, ids, kwargs = model_and_inputs("gpt2", True, p=0.1)
     report = fusionpass.explain(model, ids, fusions=[FUSION], **kwargs)

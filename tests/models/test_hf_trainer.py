@@ -74,7 +74,22 @@ def test_accelerate_compile_regions_after_install():
 AMP_FUSIONS = ("rms_norm_residual", "rope", "flash_attention", "swiglu_mlp", "linear_cross_entropy")
 
 
-@pytest.mark.parametrize("weights, checkpointing", [("fp32", False), ("bf16", False), ("bf16", True)],
+def _forward_wrapped_by_hub_kernels() -> bool:
+    """transformers 5.25 wraps LlamaAttention.forward in the hub `kernels` package's `new_forward`,
+    which sets a global while it runs. Inside torch.utils.checkpoint's higher-order op that is a side
+    effect Dynamo refuses ("HOP: Unsafe side effect"): it breaks the graph at every checkpointed
+    layer, for plain compile as much as for fusionpass, and the layers' ops never reach the pass."""
+    code = transformers.models.llama.modeling_llama.LlamaAttention.forward.__code__
+    return "/kernels/_internals/" in code.co_filename.replace("\\", "/")
+
+
+HUB_KERNELS_BREAK = pytest.mark.xfail(
+    _forward_wrapped_by_hub_kernels(), strict=True,
+    reason="the hub kernels' forward wrapper breaks Dynamo's graph at each checkpointed layer (upstream)")
+
+
+@pytest.mark.parametrize("weights, checkpointing", [("fp32", False), ("bf16", False),
+                                                    pytest.param("bf16", True, marks=HUB_KERNELS_BREAK)],
                          ids=["fp32-weights", "bf16-weights", "bf16-weights-checkpointing"])
 def test_trainer_bf16_after_install_fuses_everything(tmp_path, weights, checkpointing):
     """The path users train on: `install()`, then Trainer(bf16=True, torch_compile=True), which is
