@@ -23,6 +23,7 @@ timed by kernel, beside Dynamo's phase times and fusionpass's own pass: where th
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import pathlib
@@ -148,13 +149,15 @@ def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bo
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         trainer.train()
-    pass_s = None
+    pass_s, kernels = None, {}
     if side == "fusionpass":
         import fusionpass
         from fusionpass.passes import STATISTICS
 
         matched = fusionpass.stats()
         pass_s = round(sum(STATISTICS.seconds.values()), 3)
+        # which kernel each attention match chose (the cuDNN route or ours, and why not the other)
+        kernels = dict(collections.Counter(k for r in STATISTICS.records for _, _, k, _ in r.kernels))
     phases = compile_phases()
     steps_ms = [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
     timed = steps_ms[len(steps_ms) // 5:] or steps_ms  # past the first fifth (allocator and autotune warm-up)
@@ -164,7 +167,7 @@ def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bo
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "first_step_s": round(marks[0] - start, 1) if marks else None,
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
-        "matched": matched, "pass_s": pass_s, "caches": phases["caches"],
+        "matched": matched, "kernels": kernels, "pass_s": pass_s, "caches": phases["caches"],
         **({"breakdown": {**phases, "triton": triton_clock.report()}} if breakdown else {}),
     }
 

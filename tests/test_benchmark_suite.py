@@ -209,6 +209,8 @@ def test_trainer_breakdown_run_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = json.loads(out.read_text())
     assert run["first_step_s"] > 0 and run["pass_s"] > 0 and run["matched"]
+    # each attention match names its kernel
+    assert sum(run["kernels"].values()) == run["matched"].get("flash_attention", 0) > 0, run
     b = run["breakdown"]
     assert b["unique_graphs"] >= 1 and b["phases_s"] and any(k.startswith("inductor.fxgraph_cache") for k in b["caches"])
     assert set(b["triton"]) >= {"total_s", "kernels", "ttir_s", "ttir_calls", "user_kernels_s"}
