@@ -769,8 +769,8 @@ def test_cli_bench_runs_both_sides(capsys):
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_explain_names_the_kernel_of_each_attention_call(head_dim):
     # a collator's padded batch through a tiny HF Llama: each layer's SDPA goes to our kernel
-    # (causal + key padding; fp32, not the cuDNN route's); at head dim 256 the cost rule keeps plain compile's call, and explain
-    # says so with the rule as the reason
+    # (causal + key padding; fp32, not the cuDNN route's); at head dim 256 the cost rule keeps
+    # plain compile's call, and explain says so with the rule as the reason
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=2 * head_dim, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
