@@ -808,8 +808,9 @@ def readme_section(latest: pathlib.Path = LATEST) -> str:
     dates_by_env: dict[tuple, set] = {}
     for name, t in topics.items():
         if name in README_TOPICS or name == "compile-time":
-            e = t["environment"]
-            dates_by_env.setdefault((e["gpu"], e["torch"], e["triton"], e.get("transformers")), set()).add(e["date"])
+            # a row that ran apart from its topic's run (merged into latest/ by hand) carries its own
+            for e in [t["environment"], *(r["environment"] for r in t["rows"] if "environment" in r)]:
+                dates_by_env.setdefault((e["gpu"], e["torch"], e["triton"], e.get("transformers")), set()).add(e["date"])
     lines = [README_BEGIN, ""]
     if not topics:
         return "\n".join(lines + ["No results yet: `python benchmarks/suite.py` on a GPU writes them.", "", README_END])
@@ -828,7 +829,8 @@ def readme_section(latest: pathlib.Path = LATEST) -> str:
             mem = (f"{r['plain_peak_mib']} → {r['fusionpass_peak_mib']}" if "plain_peak_mib" in r else
                    f"{1024 * r['plain_peak_gib']:.0f} → {1024 * r['fusionpass_peak_gib']:.0f}" if r.get("plain_peak_gib") else "")
             matched = _cell(r["matched"]) + (" (NOT MATCHED)" if r.get("note") else "")
-            lines.append(f"| {topic} | {_cell(r['case'])} | {r['mode']} | {r['plain_ms']} | {r['fusionpass_ms']} | "
+            case = r["case"] + (f" ({r['environment']['gpu']})" if "environment" in r else "")
+            lines.append(f"| {topic} | {_cell(case)} | {r['mode']} | {r['plain_ms']} | {r['fusionpass_ms']} | "
                          f"{r['ratio']}× | {mem} | {matched} | {_cell(r.get('default_rule', ''))} |")
     if "compile-time" in topics:
         lines += ["", "First-step compile time of the model steps above (`latest/compile-time.md`): "

@@ -149,13 +149,15 @@ def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bo
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         trainer.train()
-    pass_s, kernels = None, {}
+    pass_s, pass_parts, kernels = None, {}, {}
     if side == "fusionpass":
         import fusionpass
         from fusionpass.passes import STATISTICS
 
         matched = fusionpass.stats()
         pass_s = round(sum(STATISTICS.seconds.values()), 3)
+        # per fusion and per step of the pass (the first fusion that imports a kernel or library pays it)
+        pass_parts = {k: round(v, 3) for k, v in STATISTICS.seconds.most_common()}
         # which kernel each attention match chose (the cuDNN route or ours, and why not the other)
         kernels = dict(collections.Counter(k for r in STATISTICS.records for _, _, k, _ in r.kernels))
     phases = compile_phases()
@@ -167,7 +169,8 @@ def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bo
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "first_step_s": round(marks[0] - start, 1) if marks else None,
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
-        "matched": matched, "kernels": kernels, "pass_s": pass_s, "caches": phases["caches"],
+        "matched": matched, "kernels": kernels, "pass_s": pass_s, "pass_parts_s": pass_parts,
+        "caches": phases["caches"],
         **({"breakdown": {**phases, "triton": triton_clock.report()}} if breakdown else {}),
     }
 

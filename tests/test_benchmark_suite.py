@@ -157,6 +157,19 @@ def test_readme_table_is_generated_from_the_latest_results():
         "README.md's performance table is out of date: python benchmarks/suite.py --readme")
 
 
+def test_a_row_that_ran_apart_names_its_gpu(tmp_path):
+    """A row merged into latest/ from another run keeps that run's environment: the README's table
+    names its GPU in the case cell and lists its environment among the ones measured on."""
+    suite = _suite()
+    env = {"date": "2026-12-01", "gpu": "GPU A", "torch": "2.11", "triton": "3.6", "transformers": "5.17"}
+    row = {"case": "m", "mode": "train", "plain_ms": 2.0, "fusionpass_ms": 1.0, "ratio": 2.0, "matched": {}}
+    apart = {**row, "case": "n", "environment": {**env, "gpu": "GPU B", "date": "2026-12-06"}}
+    (tmp_path / "models.json").write_text(json.dumps({"topic": "models", "environment": env, "rows": [row, apart]}))
+    text = suite.readme_section(tmp_path)
+    assert "| models | m | train |" in text and "| models | n (GPU B) | train |" in text
+    assert "Measured on GPU A (" in text and "Measured on GPU B (" in text and "2026-12-06;" in text
+
+
 def test_readme_trainer_table_is_generated_from_its_result():
     """README's first table (what a Trainer user gets) is benchmarks/results/latest/trainer.json's."""
     suite = _suite()
@@ -254,6 +267,36 @@ def test_trainer_profile_families():
     assert s["ms_per_step"] == {"fusionpass Triton": 1.0, "Inductor-generated Triton": 0.5, probe.OTHER: 0.1}
     assert s["total_ms_per_step"] == 1.6 and s["largest"][0] == {
         "name": "_fwd_kernel", "ms_per_step": 1.0, "calls_per_step": 2.0, "family": "fusionpass Triton"}
+
+
+def test_trainer_profile_host_syncs():
+    """The host side of a CUDA profile: its largest ops per step, and the ops that wait for the GPU."""
+    probe = load_script("trainer_profile_probe", ROOT / "benchmarks" / "probes" / "trainer_profile.py")
+    host = [("aten::mm", 600.0, 30), ("aten::_local_scalar_dense", 9000.0, 3), ("cudaStreamSynchronize", 30.0, 3)]
+    h = probe.host_summary(host, steps=3)
+    assert h["largest"][0] == {"name": "aten::_local_scalar_dense", "ms_per_step": 3.0, "calls_per_step": 1.0}
+    assert [r["name"] for r in h["syncs"]] == ["aten::_local_scalar_dense", "cudaStreamSynchronize"]
+
+
+def test_trainer_gaps_from_a_timeline():
+    """benchmarks/probes/trainer_gaps.py: the GPU's idle gaps in a Chrome trace, each with the host ops
+    around the launch that ended it and the host call that preceded it, summed by launching op."""
+    probe = load_script("trainer_gaps_probe", ROOT / "benchmarks" / "probes" / "trainer_gaps.py")
+    ev = [
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 0, "dur": 100, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 50, "dur": 52, "tid": 7},
+        {"ph": "X", "cat": "cpu_op", "name": "fusionpass::op", "ts": 110, "dur": 200, "tid": 7},
+        {"ph": "X", "cat": "cpu_op", "name": "## Call CompiledFxGraph x ##", "ts": 105, "dur": 400, "tid": 7},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cuLaunchKernel", "ts": 300, "dur": 5, "tid": 7,
+         "args": {"correlation": 2}},
+        {"ph": "X", "cat": "kernel", "name": "k2", "ts": 310, "dur": 50, "args": {"correlation": 2}},
+        {"ph": "X", "cat": "kernel", "name": "k3", "ts": 365, "dur": 50, "args": {"correlation": 3}},
+    ]
+    rows = probe.gaps(ev, min_gap_us=20)
+    assert rows == [{"gap_us": 210.0, "next": "k2", "after": "cudaStreamSynchronize", "launch_after_idle_us": 200.0,
+                     "launched_by": ["## Call CompiledFxGraph x ##", "fusionpass::op"]}]
+    s = probe.summary(rows, steps=2)
+    assert s["idle_ms_per_step"] == 0.105 and s["by_launching_op_ms_per_step"] == {"fusionpass::op": 0.105}
 
 
 def test_trainer_rows_from_runs():

@@ -11,7 +11,10 @@ what the difference is made of.
     python benchmarks/probes/trainer_profile.py [--weights bf16] [--out FILE.json]
     python benchmarks/probes/trainer_profile.py --smoke --device cpu --seq 32 --batch 2   # CPU ops instead
 
-On the CPU (a check that it runs) the profiler's CPU ops stand in for kernels.
+On the CPU (a check that it runs) the profiler's CPU ops stand in for kernels. On CUDA the host's
+ops are profiled too (`host`): the ops with the most self CPU time per step, and the host syncs
+(`aten::item`, `_local_scalar_dense`, stream and device synchronizes), since a step whose GPU waits on
+the host is bounded by the host, not by its kernels.
 """
 from __future__ import annotations
 
@@ -54,7 +57,9 @@ def _profiler_callback(first: int, count: int, cuda: bool, sink: dict):
     import torch
     import transformers
 
-    activities = [torch.profiler.ProfilerActivity.CUDA] if cuda else [torch.profiler.ProfilerActivity.CPU]
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
 
     class Profile(transformers.TrainerCallback):
         prof = None
@@ -69,15 +74,14 @@ def _profiler_callback(first: int, count: int, cuda: bool, sink: dict):
                 if cuda:
                     torch.cuda.synchronize()
                 self.prof.stop()
-                wanted = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-                events = []
+                events, host = [], []
                 for e in self.prof.key_averages():
-                    if getattr(e, "device_type", None) != wanted:
-                        continue
-                    us = e.self_device_time_total if cuda else e.self_cpu_time_total
-                    if us > 0:
-                        events.append((e.key, us, e.count))
-                sink["events"] = events
+                    if cuda and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+                        if e.self_device_time_total > 0:
+                            events.append((e.key, e.self_device_time_total, e.count))
+                    elif e.self_cpu_time_total > 0:
+                        (host if cuda else events).append((e.key, e.self_cpu_time_total, e.count))
+                sink["events"], sink["host"] = events, host
                 self.prof = None
 
     return Profile()
@@ -90,8 +94,8 @@ def run(args) -> None:
     steps = args.first + args.profile_steps + 1
     result = trainer_runs.load_trainer().run_one(args.weights, args.side, steps, args.batch, args.seq, args.smoke,
                                                  args.device, callbacks=[callback])
-    pathlib.Path(args.run).write_text(json.dumps({"events": sink.get("events", []), "step_ms": result["step_ms"],
-                                                  "matched": result["matched"]}))
+    pathlib.Path(args.run).write_text(json.dumps({"events": sink.get("events", []), "host": sink.get("host", []),
+                                                  "step_ms": result["step_ms"], "matched": result["matched"]}))
 
 
 def summary(events: list, steps: int) -> dict:
@@ -104,6 +108,20 @@ def summary(events: list, steps: int) -> dict:
             "total_ms_per_step": round(sum(by_family.values()), 3),
             "largest": [{"name": n[:120], "ms_per_step": round(us / 1e3 / steps, 3), "calls_per_step": c / steps,
                          "family": family(n)} for n, us, c in top]}
+
+
+# host ops that wait for the GPU: each one drains the queue the host had built ahead
+SYNCS = re.compile(r"aten::item|_local_scalar_dense|Synchronize|aten::nonzero|is_nonzero")
+
+
+def host_summary(host: list, steps: int) -> dict:
+    """The 20 host ops with the most self CPU time per step, and the syncs among all of them."""
+    def row(name, us, calls):
+        return {"name": name[:120], "ms_per_step": round(us / 1e3 / steps, 3), "calls_per_step": calls / steps}
+
+    top = sorted(host, key=lambda e: -e[1])[:20]
+    return {"largest": [row(*e) for e in top],
+            "syncs": [row(*e) for e in host if SYNCS.search(e[0])]}
 
 
 def main(argv=None) -> int:
@@ -129,6 +147,8 @@ def main(argv=None) -> int:
                 return 1
             sides[side] = {"step_ms": raw["step_ms"], "matched": raw["matched"],
                            **summary(raw["events"], args.profile_steps)}
+            if raw.get("host"):
+                sides[side]["host"] = host_summary(raw["host"], args.profile_steps)
     result = {"weights": args.weights, "device": args.device, "smoke": args.smoke, "batch": args.batch,
               "seq": args.seq, "profiled_steps": args.profile_steps, "sides": sides}
     if {"plain", "fusionpass"} <= set(sides):
