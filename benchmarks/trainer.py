@@ -13,6 +13,14 @@ random tokens with a collator's all-ones attention_mask, so the Trainer passes n
     python benchmarks/trainer.py --steps 200 --repeat-plain   # the loss-curve check: plain twice
     python benchmarks/trainer.py --smoke --device cpu    # the CPU test's tiny run
     python benchmarks/trainer.py --compile-time [--breakdown]   # first steps, cold and warm: trainer-compile-time.*
+    python benchmarks/trainer.py --logging-steps 500 --out-dir DIR   # the Trainer's default logging cadence
+
+--logging-steps: the table's runs log every step (a loss per step for the loss check), and each
+logged step makes the Trainer read the loss and the gradient norm on the host, a synchronize per
+read. The Trainer's default logs every 500 steps, so a user's step syncs only where the Trainer
+always does (its input copies, its check of the loss for NaN). With N > 1 the step clock does not
+synchronize at every step either: step ms is the mean over the timed steps between two synchronized
+marks, and the losses are those the cadence logs.
 
 --compile-time (issue 41): per weight dtype and side, a cold run (empty Inductor and Triton cache
 folders of its own) and a warm run (a second process over the folders the cold one filled), each to
@@ -110,7 +118,7 @@ def compile_phases() -> dict:
 
 
 def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bool, device: str,
-            breakdown: bool = False, callbacks=()) -> dict:
+            breakdown: bool = False, callbacks=(), logging_steps: int = 1) -> dict:
     """One Trainer run in this process (`callbacks`: more TrainerCallbacks, e.g. a profiler's)."""
     import torch
     import transformers
@@ -131,17 +139,20 @@ def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bo
     ids = torch.randint(0, config.vocab_size, (batch * steps, seq), generator=gen)
     data = [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x} for x in ids]
     marks: list[float] = []
+    first_timed = max(1, steps // 5)  # the timed steps start past the first fifth (allocator, autotune)
+    per_step = logging_steps == 1
 
     class Clock(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
-            if cuda:
+            # at the Trainer's own cadence only the window's two ends synchronize
+            if cuda and (per_step or state.global_step in (first_timed, steps)):
                 torch.cuda.synchronize()
             marks.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
             output_dir=out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-4,
-            lr_scheduler_type="constant", logging_steps=1, report_to=[], bf16=True, save_strategy="no",
+            lr_scheduler_type="constant", logging_steps=logging_steps, report_to=[], bf16=True, save_strategy="no",
             torch_compile=side != "liger", use_liger_kernel=side == "liger", use_cpu=not cuda,
             dataloader_num_workers=0, disable_tqdm=True, seed=0, data_seed=0)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[Clock(), *callbacks])
@@ -163,9 +174,14 @@ def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bo
     phases = compile_phases()
     steps_ms = [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
     timed = steps_ms[len(steps_ms) // 5:] or steps_ms  # past the first fifth (allocator and autotune warm-up)
+    if per_step:
+        step_ms = round(statistics.median(timed), 2) if timed else None
+    else:  # the mean between the synchronized marks (the end of step first_timed, the last step's end)
+        step_ms = round(1e3 * (marks[-1] - marks[first_timed - 1]) / (steps - first_timed), 2) \
+            if len(marks) == steps and steps > first_timed else None
     return {
-        "weights": weights, "side": side, "steps": steps,
-        "step_ms": round(statistics.median(timed), 2) if timed else None,
+        "weights": weights, "side": side, "steps": steps, "logging_steps": logging_steps,
+        "step_ms": step_ms,
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "first_step_s": round(marks[0] - start, 1) if marks else None,
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
@@ -178,7 +194,8 @@ def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bo
 def _spawn(weights, side, args, env: dict | None = None, breakdown: bool = False) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, __file__, "--one", weights, side, "--json", f.name, "--steps", str(args.steps),
-               "--batch", str(args.batch), "--seq", str(args.seq), "--device", args.device]
+               "--batch", str(args.batch), "--seq", str(args.seq), "--device", args.device,
+               "--logging-steps", str(args.logging_steps)]
         if args.smoke:
             cmd.append("--smoke")
         if breakdown:
@@ -207,9 +224,14 @@ def _liger_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-def spread(a: list[float], b: list[float]) -> float:
-    """The largest difference of two loss curves, step by step (past the first step)."""
-    return max((abs(x - y) for x, y in zip(a[1:], b[1:])), default=0.0)
+def spread(a: list[float], b: list[float]) -> float | None:
+    """The largest difference of two loss curves, step by step (past the first step); None where
+    they have no step past the first in common (a cadence that logs once or never)."""
+    return max((abs(x - y) for x, y in zip(a[1:], b[1:])), default=None)
+
+
+def _rounded(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
 
 
 def rows_of(runs: list[dict]) -> list[dict]:
@@ -232,9 +254,9 @@ def rows_of(runs: list[dict]) -> list[dict]:
                "plain_peak_gib": plain["peak_gib"], "fusionpass_peak_gib": fused["peak_gib"],
                "plain_first_step_s": plain["first_step_s"], "fusionpass_first_step_s": fused["first_step_s"],
                "matched": fused["matched"],
-               "loss_gap": round(spread(plain["losses"], fused["losses"]), 4)}
+               "loss_gap": _rounded(spread(plain["losses"], fused["losses"]), 4)}
         if len(by["plain"]) > 1 and "error" not in by["plain"][1]:
-            row["plain_loss_spread"] = round(spread(plain["losses"], by["plain"][1]["losses"]), 4)
+            row["plain_loss_spread"] = _rounded(spread(plain["losses"], by["plain"][1]["losses"]), 4)
         liger = by.get("liger", [None])[0]
         if liger:
             row.update({"liger_ms": liger.get("step_ms"), "liger_peak_gib": liger.get("peak_gib")}
@@ -368,11 +390,15 @@ def main(argv=None) -> int:
                    help="first steps only, cold and warm caches: writes trainer-compile-time.md/.json")
     p.add_argument("--breakdown", action="store_true",
                    help="with --compile-time (or --one): also time each Triton compile and Dynamo phase")
+    p.add_argument("--logging-steps", type=int, default=1,
+                   help="the Trainer's logging_steps (default 1: a loss per step, a synchronized clock per step; "
+                        "the Trainer's own default is 500)")
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 3 if args.compile_time else 60
     if args.one:
-        result = run_one(*args.one, args.steps, args.batch, args.seq, args.smoke, args.device, args.breakdown)
+        result = run_one(*args.one, args.steps, args.batch, args.seq, args.smoke, args.device, args.breakdown,
+                         logging_steps=args.logging_steps)
         pathlib.Path(args.json).write_text(json.dumps(result))
         return 0
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -384,9 +410,13 @@ def main(argv=None) -> int:
     runs, env = runs_and_environment(args, argv, suite, out_dir, "trainer", "trainer_runs.json", step_runs)
     rows = rows_of(runs)
     steps = env.get("steps", runs[0].get("steps") if runs else None)
+    logging_steps = env.get("logging_steps", 1)
+    clock = (f"the median past the first fifth of {steps} steps, each synchronized" if logging_steps == 1 else
+             f"the mean past the first fifth of {steps} steps between two synchronized marks, logging every "
+             f"{logging_steps} steps")
     suite.write_topic(out_dir, "trainer", env, rows, COLUMNS, footer=(
         f"Generated by benchmarks/trainer.py from trainer_runs.json: each run is its own process; step ms is "
-        f"the median past the first fifth of {steps} steps; peak is torch.cuda.max_memory_allocated over the run; "
+        f"{clock}; peak is torch.cuda.max_memory_allocated over the run; "
         "first step is the seconds to the first step's end, compile included, with whatever Inductor cache "
         "the machine had (a side run earlier on the same machine compiles from its cache). "
         "plain / fusionpass > 1 means fusionpass is faster."))
@@ -413,6 +443,7 @@ def runs_and_environment(args, argv, suite, out_dir: pathlib.Path, topic: str, r
     env = run_environment(suite, argv)
     env["model"] = f"LlamaForCausalLM {SMOKE_MODEL if args.smoke else MODEL}, B{args.batch} S{args.seq}, AdamW"
     env["steps"] = args.steps
+    env["logging_steps"] = args.logging_steps
     # the environment first, so that --rewrite can make the table of a run stopped midway
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{topic}.json").write_text(json.dumps({"environment": env, "rows": []}, indent=1) + "\n")

@@ -229,6 +229,24 @@ def test_trainer_breakdown_run_on_the_cpu(tmp_path):
     assert set(b["triton"]) >= {"total_s", "kernels", "ttir_s", "ttir_calls", "user_kernels_s"}
 
 
+def test_trainer_at_its_own_logging_cadence(tmp_path):
+    """--logging-steps N: the Trainer logs every N steps (its losses are those), and step ms is the mean
+    between two synchronized marks rather than a median of synchronized steps."""
+    out = tmp_path / "run.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "trainer.py"), "--one", "bf16", "plain", "--json", str(out),
+           "--smoke", "--device", "cpu", "--steps", "6", "--batch", "2", "--seq", "32", "--logging-steps", "3"]
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert run["logging_steps"] == 3 and len(run["losses"]) == 2 and run["step_ms"] > 0
+    # one logged loss per side: no loss curve to compare, rather than a gap of zero
+    trainer = _trainer_script()
+    assert trainer.spread([1.0], [2.0]) is None
+    (row, _) = trainer.rows_of([{**run, "weights": "fp32", "side": s, "losses": [1.0]} for s in ("plain", "fusionpass")])
+    assert row["loss_gap"] is None and row["ratio"] == 1.0
+
+
 def test_trainer_runs_are_written_as_they_finish(tmp_path):
     """A run stopped by the GPU machine's time limit keeps the runs it finished (and --rewrite reads them)."""
     trainer = _trainer_script()
