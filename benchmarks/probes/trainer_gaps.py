@@ -79,34 +79,10 @@ def summary(rows: list[dict], steps: int) -> dict:
             "largest": sorted(rows, key=lambda r: -r["gap_us"])[:30]}
 
 
-def _trace_callback(first: int, count: int, cuda: bool, path: pathlib.Path):
-    import torch
-    import transformers
-
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-
-    class Trace(transformers.TrainerCallback):
-        prof = None
-
-        def on_step_begin(self, args, state, control, **kw):
-            if state.global_step == first:
-                self.prof = torch.profiler.profile(activities=activities)
-                self.prof.start()
-
-        def on_step_end(self, args, state, control, **kw):
-            if self.prof is not None and state.global_step == first + count:
-                if cuda:
-                    torch.cuda.synchronize()
-                self.prof.stop()
-                self.prof.export_chrome_trace(str(path))
-                self.prof = None
-
-    return Trace()
-
-
 def run(args) -> None:
     trace = pathlib.Path(args.run).with_suffix(".trace.json")
-    callback = _trace_callback(args.first, args.profile_steps, args.device == "cuda", trace)
+    callback = trainer_runs.profiled_steps(args.first, args.profile_steps, args.device == "cuda",
+                                           lambda prof: prof.export_chrome_trace(str(trace)))
     steps = args.first + args.profile_steps + 1
     result = trainer_runs.load_trainer().run_one(args.weights, args.side, steps, args.batch, args.seq, args.smoke,
                                                  args.device, callbacks=[callback])

@@ -51,46 +51,28 @@ def family(name: str) -> str:
     return OTHER
 
 
-def _profiler_callback(first: int, count: int, cuda: bool, sink: dict):
-    """A TrainerCallback that profiles steps [first, first + count) and puts (name, total µs, calls)
-    of each kernel (CUDA) or op (CPU) in sink["events"]."""
+def _kernels_and_host_ops(cuda: bool, sink: dict):
+    """What trainer_runs.profiled_steps calls at the end: (name, total µs, calls) of each kernel (CUDA)
+    or op (CPU) into sink["events"], and on CUDA of each host op into sink["host"]."""
     import torch
-    import transformers
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    def done(prof) -> None:
+        events, host = [], []
+        for e in prof.key_averages():
+            if cuda and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+                if e.self_device_time_total > 0:
+                    events.append((e.key, e.self_device_time_total, e.count))
+            elif e.self_cpu_time_total > 0:
+                (host if cuda else events).append((e.key, e.self_cpu_time_total, e.count))
+        sink["events"], sink["host"] = events, host
 
-    class Profile(transformers.TrainerCallback):
-        prof = None
-
-        def on_step_begin(self, args, state, control, **kw):
-            if state.global_step == first:
-                self.prof = torch.profiler.profile(activities=activities)
-                self.prof.start()
-
-        def on_step_end(self, args, state, control, **kw):
-            if self.prof is not None and state.global_step == first + count:
-                if cuda:
-                    torch.cuda.synchronize()
-                self.prof.stop()
-                events, host = [], []
-                for e in self.prof.key_averages():
-                    if cuda and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
-                        if e.self_device_time_total > 0:
-                            events.append((e.key, e.self_device_time_total, e.count))
-                    elif e.self_cpu_time_total > 0:
-                        (host if cuda else events).append((e.key, e.self_cpu_time_total, e.count))
-                sink["events"], sink["host"] = events, host
-                self.prof = None
-
-    return Profile()
+    return done
 
 
 def run(args) -> None:
     sink: dict = {}
     cuda = args.device == "cuda"
-    callback = _profiler_callback(args.first, args.profile_steps, cuda, sink)
+    callback = trainer_runs.profiled_steps(args.first, args.profile_steps, cuda, _kernels_and_host_ops(cuda, sink))
     steps = args.first + args.profile_steps + 1
     result = trainer_runs.load_trainer().run_one(args.weights, args.side, steps, args.batch, args.seq, args.smoke,
                                                  args.device, callbacks=[callback])

@@ -1,6 +1,7 @@
-"""What the Trainer-path probes share (cache_keys.py, trainer_profile.py): benchmarks/trainer.py loaded
-by path (benchmarks/ is no package), the arguments of one Trainer run, a child process that runs one
-configuration on its own (the probe's own `--run OUT` mode) and the result written and printed."""
+"""What the Trainer-path probes share (cache_keys.py, trainer_profile.py, trainer_gaps.py):
+benchmarks/trainer.py loaded by path (benchmarks/ is no package), the arguments of one Trainer run,
+a callback that profiles some of its steps, a child process that runs one configuration on its own
+(the probe's own `--run OUT` mode) and the result written and printed."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,33 @@ def forwarded(args: argparse.Namespace) -> list[str]:
     """add_arguments' values as command-line arguments for a child process."""
     return (["--weights", args.weights, "--batch", str(args.batch), "--seq", str(args.seq), "--device", args.device]
             + (["--smoke"] if args.smoke else []))
+
+
+def profiled_steps(first: int, count: int, cuda: bool, done):
+    """A TrainerCallback that profiles steps [first, first + count) (host ops, and on CUDA its
+    kernels too) and then calls done(profiler), the GPU synchronized."""
+    import torch
+    import transformers
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+
+    class Profile(transformers.TrainerCallback):
+        prof = None
+
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == first:
+                self.prof = torch.profiler.profile(activities=activities)
+                self.prof.start()
+
+        def on_step_end(self, args, state, control, **kw):
+            if self.prof is not None and state.global_step == first + count:
+                if cuda:
+                    torch.cuda.synchronize()
+                self.prof.stop()
+                done(self.prof)
+                self.prof = None
+
+    return Profile()
 
 
 def child(script: str, out: pathlib.Path, arguments: list[str], env: dict | None = None) -> dict | None:
