@@ -880,14 +880,18 @@ def trainer_compile_time_lines(latest: pathlib.Path = LATEST) -> list[str]:
                     "--compile-time` on a GPU)."]
     topic = json.loads(path.read_text())
     env = topic["environment"]
-    lines = ["", f"First step (compile + one step) on this path, {env['gpu']}, {env['date']} "
-                 f"(`benchmarks/results/latest/{topic_name}.md`):", "",
-             "| case | caches | plain torch.compile s | fusionpass s | added |", "|---|---|---|---|---|"]
+    lines = ["", f"First step (compile + one step) on this path, {env['gpu']} "
+                 f"(`benchmarks/results/latest/{topic_name}.md`; a row measured apart from the others carries "
+                 "its own environment there):", "",
+             "| case | caches | plain torch.compile s | fusionpass s | added | measured |", "|---|---|---|---|---|---|"]
     for r in topic["rows"]:
+        e = r.get("environment", env)
+        measured = f"{e['date']}, source {str(e.get('fusionpass source digest', '?'))[:8]}"
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['cache']} | error (see latest/{topic_name}.md) | | |")
+            lines.append(f"| {r['case']} | {r['cache']} | error (see latest/{topic_name}.md) | | | {measured} |")
         elif r["cache"] in ("cold", "warm"):
-            lines.append(f"| {r['case']} | {r['cache']} | {r['plain_s']} | {r['fusionpass_s']} | {r['added']:+.1%} |")
+            lines.append(f"| {r['case']} | {r['cache']} | {r['plain_s']} | {r['fusionpass_s']} | {r['added']:+.1%} "
+                         f"| {measured} |")
     return lines
 
 

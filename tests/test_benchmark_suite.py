@@ -180,6 +180,19 @@ def test_readme_trainer_table_is_generated_from_its_result():
     assert text.index(suite.TRAINER_BEGIN) < text.index("\n|"), "the Trainer table must be README's first"
 
 
+def test_trainer_first_steps_say_where_each_row_was_measured(tmp_path):
+    """The README's first-step rows name each row's date and source: a row merged from another run
+    carries its own environment."""
+    suite = _suite()
+    env = {"date": "2026-12-01", "gpu": "GPU A", "fusionpass source digest": "aaaaaaaa11"}
+    row = {"case": "Trainer, bf16 weights", "cache": "cold", "plain_s": 10.0, "fusionpass_s": 11.0, "added": 0.1}
+    apart = {**row, "case": "Trainer, fp32 weights", "environment": {**env, "fusionpass source digest": "bbbbbbbb22"}}
+    (tmp_path / "trainer-compile-time.json").write_text(json.dumps({"environment": env, "rows": [row, apart]}))
+    lines = suite.trainer_compile_time_lines(tmp_path)
+    assert "| Trainer, bf16 weights | cold | 10.0 | 11.0 | +10.0% | 2026-12-01, source aaaaaaaa |" in lines
+    assert "| Trainer, fp32 weights | cold | 10.0 | 11.0 | +10.0% | 2026-12-01, source bbbbbbbb |" in lines
+
+
 def _trainer_script():
     return load_script("trainer_bench", ROOT / "benchmarks" / "trainer.py")
 
