@@ -260,6 +260,8 @@ FAMILY_WIDTHS = {
                                 num_key_value_heads=32, head_dim=96, vocab_size=32064)),
     "olmo": ("OLMo-1B", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=16,
                              head_dim=128, vocab_size=50304)),
+    "olmo2": ("OLMo-2-1124-7B", dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                                     num_key_value_heads=32, head_dim=128, vocab_size=100352)),
     "granite": ("Granite-3.0-2B", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
                                        num_key_value_heads=8, head_dim=64, vocab_size=49155)),
     "cohere": ("Aya-Expanse-8B", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -283,6 +285,11 @@ FAMILY_WIDTHS = {
     "bert": ("BERT-base", dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, vocab_size=30522)),
     # (T5Config maps hidden_size and num_attention_heads onto d_model and num_heads)
     "t5": ("T5-base", dict(hidden_size=768, d_ff=3072, num_attention_heads=12, head_dim=64, vocab_size=32128)),
+    # (MLA: q/k heads of 128 + a rotated 64, v 128; the census's first dense layer, then routed experts)
+    "deepseek_v3": ("DeepSeek-V3, 16 of its 256 experts", dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128,
+        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, vocab_size=129280, n_routed_experts=16, num_experts_per_tok=8)),
     "qwen3_moe": ("Qwen3-30B-A3B, 16 of its 128 experts", dict(
         hidden_size=2048, moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         vocab_size=151936, num_experts=16, num_experts_per_tok=8)),

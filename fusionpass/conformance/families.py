@@ -242,6 +242,9 @@ FAMILIES: dict[str, Family] = {
     "olmo": Family("OlmoConfig", {**ATTENTION_LAYER, "swiglu_mlp": 1}, {"linear_cross_entropy": 1},
                    gaps="OLMo's LayerNorm (no weight or bias) normalizes the residual sum cast to fp32 and "
                         "casts back: the fusion does not read through the casts, and says nothing"),
+    # OLMo-2: norms after attention and MLP (post-norm residuals) and q/k norms over the projections'
+    # full width, four RMSNorms per layer
+    "olmo2": Family("Olmo2Config", {**LLAMA_LAYER, "rms_norm_residual": 4}, LLAMA_ONCE),
     "granite": Family("GraniteConfig", LLAMA_LAYER, {"rms_norm_residual": 1},
                       gaps="linear_cross_entropy: the logits are divided by logits_scaling before the loss "
                            "(not a known op between projection and loss)"),
@@ -286,6 +289,18 @@ FAMILIES: dict[str, Family] = {
                            "additive mask nor a per-key bias\"; its layers alone take the kernel, "
                            "fusionpass/fusions/flash_attention/cases.py); the experts' gated MLP in the loop is not "
                            "matched"),
+    # DeepSeek-V3: MLA (q/k head dim 48 = 32 + a rotated 16, v 32; every head its own k/v), the q and kv
+    # latents' RMSNorms, a dense first layer and then routed experts beside a shared one (its SwiGLU)
+    "deepseek_v3": Family("DeepseekV3Config", {"rms_norm_residual": 4, "swiglu_mlp": 1}, LLAMA_ONCE,
+                          dict(num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
+                               qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, **_MOE),
+                          drop=("head_dim",), mode_counts={"trainer-amp": {"rms_norm_residual": 2 * LAYERS + 1}},
+                          gaps="attention: as Mixtral, the mask comes from another graph after the expert loop's "
+                               "graph breaks; rope: its interleaved form (q and k regrouped before rotate_half) is "
+                               "not matched (\"add of two products found, but not x * cos + rotate_half(x) ... * "
+                               "sin\"); under autocast the latents' RMSNorms are near misses (mixed-dtype math); "
+                               "the routed experts' SwiGLU in the loop is not matched"),
     "qwen3_moe": Family("Qwen3MoeConfig", {"rms_norm_residual": 4, "rope": 1}, LOGITS_RETURNED_ONCE,
                         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **_MOE),
                         mode_counts={"trainer-amp": {"rms_norm_residual": 2 * LAYERS + 1}},

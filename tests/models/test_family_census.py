@@ -14,6 +14,8 @@ CASES = families.cases()
 def test_the_census_covers_the_families_users_train():
     named = set(families.FAMILIES)
     assert {"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "phi3", "olmo", "mixtral", "gpt2"} <= named
+    # the families issue 43 found short of fused (Whisper's audio encoder-decoder is not in yet)
+    assert {"t5", "gemma2", "gpt_oss", "deepseek_v3", "qwen3_moe", "olmo2", "cohere"} <= named
     assert len(CASES) >= 2 * len(named) - 4  # both modes for all but the few the CPU cannot compile
 
 
