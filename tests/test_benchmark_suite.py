@@ -328,6 +328,10 @@ def test_trainer_gaps_from_a_timeline():
                      "launched_by": ["## Call CompiledFxGraph x ##", "fusionpass::op"]}]
     s = probe.summary(rows, steps=2)
     assert s["idle_ms_per_step"] == 0.105 and s["by_launching_op_ms_per_step"] == {"fusionpass::op": 0.105}
+    # past the largest `attributed` gaps the rest are counted, not read
+    (row,) = probe.gaps(ev, min_gap_us=20, attributed=0)
+    assert row == {"gap_us": 210.0, "next": "k2"}
+    assert probe.summary([row], steps=2)["by_launching_op_ms_per_step"] == {"(not attributed)": 0.105}
 
 
 def test_trainer_rows_from_runs():

@@ -34,49 +34,56 @@ def _span(e) -> tuple[float, float]:
     return float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
 
 
-def gaps(events: list[dict], min_gap_us: float) -> list[dict]:
-    """The GPU's idle gaps of at least min_gap_us in a Chrome trace's events, each with what ended it
-    (`launched_by`: the host ops around the launch, outermost first; `launch_after_idle_us`: how long
-    after the GPU went idle the host launched it, negative where it was launched before) and what
-    preceded it (`after`: the host call in progress when the GPU went idle, else the last one before)."""
+def gaps(events: list[dict], min_gap_us: float, attributed: int = 300) -> list[dict]:
+    """The GPU's idle gaps of at least min_gap_us in a Chrome trace's events, the largest first. The
+    `attributed` largest say what ended them (`launched_by`: the host ops around the launch, outermost
+    first; `launch_after_idle_us`: how long after the GPU went idle the host launched it, negative
+    where it was launched before) and what preceded them (`after`: the host call in progress when
+    the GPU went idle, else the last one before). (Each attribution scans the host events: a
+    timeline has tens of thousands, so only the largest gaps are read.)"""
     gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
-    calls = [e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CALLS]
-    by_corr = {e.get("args", {}).get("correlation"): e for e in calls}
-    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_OPS]
-    out = []
+    found = []  # (idle from, the activity that ended the gap)
     busy_until = None
     for e in gpu:
         start, end = _span(e)
         if busy_until is not None and start - busy_until >= min_gap_us:
-            launch = by_corr.get(e.get("args", {}).get("correlation"))
-            row = {"gap_us": round(start - busy_until, 1), "next": e["name"][:100]}
-            if launch is not None:
-                t, tid = float(launch["ts"]), launch.get("tid")
-                around = sorted((o for o in ops if o.get("tid") == tid and _span(o)[0] <= t <= _span(o)[1]),
-                                key=lambda o: (o["ts"], -o.get("dur", 0.0)))
-                row["launched_by"] = [o["name"][:100] for o in around][-6:]
-                row["launch_after_idle_us"] = round(t - busy_until, 1)
+            found.append((busy_until, e))
+        busy_until = end if busy_until is None else max(busy_until, end)
+    found.sort(key=lambda g: -(_span(g[1])[0] - g[0]))
+    calls = [e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CALLS]
+    by_corr = {e.get("args", {}).get("correlation"): e for e in calls}
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_OPS]
+    out = []
+    for i, (idle_from, e) in enumerate(found):
+        row = {"gap_us": round(_span(e)[0] - idle_from, 1), "next": e["name"][:100]}
+        launch = by_corr.get(e.get("args", {}).get("correlation")) if i < attributed else None
+        if launch is not None:
+            t, tid = float(launch["ts"]), launch.get("tid")
+            around = sorted((o for o in ops if o.get("tid") == tid and _span(o)[0] <= t <= _span(o)[1]),
+                            key=lambda o: (o["ts"], -o.get("dur", 0.0)))
+            row["launched_by"] = [o["name"][:100] for o in around][-6:]
+            row["launch_after_idle_us"] = round(t - idle_from, 1)
             # the host call in progress when the GPU ran dry (a synchronize returns just after), else
             # the last one that had ended
-            spanning = [c for c in calls if _span(c)[0] <= busy_until <= _span(c)[1] + 1.0]
-            before = spanning or [c for c in calls if _span(c)[1] <= busy_until]
+            spanning = [c for c in calls if _span(c)[0] <= idle_from <= _span(c)[1] + 1.0]
+            before = spanning or [c for c in calls if _span(c)[1] <= idle_from]
             if before:
                 row["after"] = max(before, key=lambda c: _span(c)[1])["name"]
-            out.append(row)
-        busy_until = end if busy_until is None else max(busy_until, end)
+        out.append(row)
     return out
 
 
 def summary(rows: list[dict], steps: int) -> dict:
-    """Idle ms per step in all, and by the innermost host op that launched the work after each gap."""
+    """Idle ms per step in all, and by the innermost host op that launched the work after each
+    attributed gap (the rest, smaller, summed apart)."""
     by_op: dict[str, float] = {}
     for r in rows:
-        key = (r.get("launched_by") or ["(no host op)"])[-1]
+        key = (r.get("launched_by") or ["(no host op)"])[-1] if "launch_after_idle_us" in r else "(not attributed)"
         by_op[key] = by_op.get(key, 0.0) + r["gap_us"] / 1e3 / steps
     return {"idle_ms_per_step": round(sum(r["gap_us"] for r in rows) / 1e3 / steps, 3),
             "gaps_per_step": round(len(rows) / steps, 1),
             "by_launching_op_ms_per_step": {k: round(v, 3) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:25]},
-            "largest": sorted(rows, key=lambda r: -r["gap_us"])[:30]}
+            "largest": rows[:30]}
 
 
 def run(args) -> None:
