@@ -172,9 +172,9 @@ def run_one(weights: str, side: str, steps: int, batch: int, seq: int, smoke: bo
         # which kernel each attention match chose (the cuDNN route or ours, and why not the other)
         kernels = dict(collections.Counter(k for r in STATISTICS.records for _, _, k, _ in r.kernels))
     phases = compile_phases()
-    steps_ms = [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
-    timed = steps_ms[len(steps_ms) // 5:] or steps_ms  # past the first fifth (allocator and autotune warm-up)
     if per_step:
+        steps_ms = [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
+        timed = steps_ms[len(steps_ms) // 5:] or steps_ms  # past the first fifth (allocator and autotune warm-up)
         step_ms = round(statistics.median(timed), 2) if timed else None
     else:  # the mean between the synchronized marks (the end of step first_timed, the last step's end)
         step_ms = round(1e3 * (marks[-1] - marks[first_timed - 1]) / (steps - first_timed), 2) \

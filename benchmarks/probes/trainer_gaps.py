@@ -20,7 +20,6 @@ import gzip
 import json
 import pathlib
 import sys
-import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import trainer_runs  # noqa: E402
@@ -52,14 +51,17 @@ def gaps(events: list[dict], min_gap_us: float, attributed: int = 300) -> list[d
     found.sort(key=lambda g: -(_span(g[1])[0] - g[0]))
     calls = [e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CALLS]
     by_corr = {e.get("args", {}).get("correlation"): e for e in calls}
-    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_OPS]
+    ops_by_thread: dict = {}
+    for o in events:
+        if o.get("ph") == "X" and o.get("cat") in HOST_OPS:
+            ops_by_thread.setdefault(o.get("tid"), []).append(o)
     out = []
     for i, (idle_from, e) in enumerate(found):
         row = {"gap_us": round(_span(e)[0] - idle_from, 1), "next": e["name"][:100]}
         launch = by_corr.get(e.get("args", {}).get("correlation")) if i < attributed else None
         if launch is not None:
             t, tid = float(launch["ts"]), launch.get("tid")
-            around = sorted((o for o in ops if o.get("tid") == tid and _span(o)[0] <= t <= _span(o)[1]),
+            around = sorted((o for o in ops_by_thread.get(tid, ()) if _span(o)[0] <= t <= _span(o)[1]),
                             key=lambda o: (o["ts"], -o.get("dur", 0.0)))
             row["launched_by"] = [o["name"][:100] for o in around][-6:]
             row["launch_after_idle_us"] = round(t - idle_from, 1)
@@ -105,32 +107,24 @@ def run(args) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     trainer_runs.add_arguments(p)
-    p.add_argument("--sides", default="fusionpass,plain")
-    p.add_argument("--first", type=int, default=3, help="steps before the profiled ones (compile, warm-up)")
-    p.add_argument("--profile-steps", type=int, default=2)
+    trainer_runs.add_profile_arguments(p, sides="fusionpass,plain", profile_steps=2)
     p.add_argument("--min-gap-us", type=float, default=20.0)
     p.add_argument("--keep-trace", default=None, help="(with --run) also write the trace here, gzipped")
     p.add_argument("--trace-dir", default=None, help="write each side's gzipped trace into this folder")
-    p.add_argument("--out", default=None)
-    p.add_argument("--run", default=None, help="(internal) one side in this process: write its summary here")
-    p.add_argument("--side", default=None, help="(internal) with --run")
     args = p.parse_args(argv)
     if args.run:
         run(args)
         return 0
     if args.trace_dir:
         pathlib.Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-    sides = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for side in args.sides.split(","):
-            extra = ["--keep-trace", str(pathlib.Path(args.trace_dir) / f"{side}.trace.json.gz")] if args.trace_dir else []
-            raw = trainer_runs.child(__file__, pathlib.Path(tmp) / f"{side}.json",
-                                     ["--side", side, "--first", str(args.first), "--profile-steps",
-                                      str(args.profile_steps), "--min-gap-us", str(args.min_gap_us), *extra,
-                                      *trainer_runs.forwarded(args)])
-            if raw is None:
-                return 1
-            sides[side] = raw
+
+    def extra(side):
+        keep = ["--keep-trace", str(pathlib.Path(args.trace_dir) / f"{side}.trace.json.gz")] if args.trace_dir else []
+        return ["--min-gap-us", str(args.min_gap_us), *keep]
+
+    sides = trainer_runs.each_side(__file__, args, extra)
+    if sides is None:
+        return 1
     result = {"weights": args.weights, "device": args.device, "smoke": args.smoke, "batch": args.batch,
               "seq": args.seq, "profiled_steps": args.profile_steps, "min_gap_us": args.min_gap_us, "sides": sides}
     return trainer_runs.report(result, args.out)

@@ -23,7 +23,6 @@ import json
 import pathlib
 import re
 import sys
-import tempfile
 
 # trainer_runs lies beside this file: found also where this file is loaded by path (the tests)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -109,28 +108,19 @@ def host_summary(host: list, steps: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     trainer_runs.add_arguments(p)
-    p.add_argument("--sides", default="plain,fusionpass")
-    p.add_argument("--first", type=int, default=3, help="steps before the profiled ones (compile, warm-up)")
-    p.add_argument("--profile-steps", type=int, default=3)
-    p.add_argument("--out", default=None)
-    p.add_argument("--run", default=None, help="(internal) one side in this process: write its events here")
-    p.add_argument("--side", default=None, help="(internal) with --run")
+    trainer_runs.add_profile_arguments(p, sides="plain,fusionpass", profile_steps=3)
     args = p.parse_args(argv)
     if args.run:
         run(args)
         return 0
+    raws = trainer_runs.each_side(__file__, args)
+    if raws is None:
+        return 1
     sides = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for side in args.sides.split(","):
-            raw = trainer_runs.child(__file__, pathlib.Path(tmp) / f"{side}.json",
-                                     ["--side", side, "--first", str(args.first), "--profile-steps",
-                                      str(args.profile_steps), *trainer_runs.forwarded(args)])
-            if raw is None:
-                return 1
-            sides[side] = {"step_ms": raw["step_ms"], "matched": raw["matched"],
-                           **summary(raw["events"], args.profile_steps)}
-            if raw.get("host"):
-                sides[side]["host"] = host_summary(raw["host"], args.profile_steps)
+    for side, raw in raws.items():
+        sides[side] = {"step_ms": raw["step_ms"], "matched": raw["matched"], **summary(raw["events"], args.profile_steps)}
+        if raw.get("host"):
+            sides[side]["host"] = host_summary(raw["host"], args.profile_steps)
     result = {"weights": args.weights, "device": args.device, "smoke": args.smoke, "batch": args.batch,
               "seq": args.seq, "profiled_steps": args.profile_steps, "sides": sides}
     if {"plain", "fusionpass"} <= set(sides):

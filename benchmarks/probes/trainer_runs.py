@@ -11,6 +11,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -35,6 +36,32 @@ def forwarded(args: argparse.Namespace) -> list[str]:
     """add_arguments' values as command-line arguments for a child process."""
     return (["--weights", args.weights, "--batch", str(args.batch), "--seq", str(args.seq), "--device", args.device]
             + (["--smoke"] if args.smoke else []))
+
+
+def add_profile_arguments(p: argparse.ArgumentParser, sides: str, profile_steps: int) -> None:
+    """A profiling probe's arguments: which sides, which steps, where the result goes, and the
+    internal ones of its child processes (one side each)."""
+    p.add_argument("--sides", default=sides)
+    p.add_argument("--first", type=int, default=3, help="steps before the profiled ones (compile, warm-up)")
+    p.add_argument("--profile-steps", type=int, default=profile_steps)
+    p.add_argument("--out", default=None)
+    p.add_argument("--run", default=None, help="(internal) one side in this process: write its result here")
+    p.add_argument("--side", default=None, help="(internal) with --run")
+
+
+def each_side(script: str, args: argparse.Namespace, extra=lambda side: []) -> dict[str, dict] | None:
+    """What `script --run` wrote for each of args.sides, each side in a child process of its own
+    (with `extra(side)` arguments), or None where one failed."""
+    sides = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for side in args.sides.split(","):
+            raw = child(script, pathlib.Path(tmp) / f"{side}.json",
+                        ["--side", side, "--first", str(args.first), "--profile-steps", str(args.profile_steps),
+                         *extra(side), *forwarded(args)])
+            if raw is None:
+                return None
+            sides[side] = raw
+    return sides
 
 
 def profiled_steps(first: int, count: int, cuda: bool, done):
