@@ -1,7 +1,7 @@
 """Issue 40 probe: which attention kernel can serve the mask every HF data collator passes (all ones,
 or right/left padding) at the speed of cuDNN's own causal kernel, with the lengths on the device
-(no host sync, no shape that depends on data). Its results go to benchmarks/results/kernel/, under its
-name, once it has run on a GPU (not yet).
+(no host sync, no shape that depends on data). Its results are in
+benchmarks/results/kernel/collator_attention_routes.md (and the JSON files it names).
 
 Calls, each checked against float64 (forward and the three gradients, NaN-filled memory) before it
 is timed:
@@ -47,9 +47,14 @@ from cudnn_key_padding import cudnn_call, reference
 
 BF16 = torch.bfloat16
 # (name, B, Hq, Hkv, S, D, causal): the issue's Llama-3.2-1B shape (head dim 64), Llama-3-8B-like
-# heads at 128, Gemma's 256, and a BERT-base encoder (bidirectional).
+# heads at 128, Gemma's 256, and a BERT-base encoder (bidirectional); the encoder's mask at head dims
+# 128 and 256 too, so that every head dim is measured both causal and bidirectional.
 SHAPES = [("llama-1b d64", 4, 32, 8, 2048, 64, True), ("llama d128", 4, 32, 8, 2048, 128, True),
-          ("gemma d256", 4, 8, 4, 2048, 256, True), ("bert d64", 32, 12, 12, 512, 64, False)]
+          ("gemma d256", 4, 8, 4, 2048, 256, True), ("bert d64", 32, 12, 12, 512, 64, False),
+          ("encoder d128", 16, 16, 16, 512, 128, False), ("encoder d256", 16, 8, 8, 512, 256, False)]
+# Calls that are exact for right padding and all ones only: on left padding they are checked (to
+# record that they are wrong there) but not timed. The others are timed on left padding too.
+PREFIX_ONLY = ("cudnn ragged", "cudnn ragged, aten's autograd", "cudnn-frontend padded", "cudnn-frontend padded fwd")
 
 
 def key_padding(kind, B, S, device="cuda"):
@@ -311,7 +316,8 @@ def main():
                     continue
                 try:
                     row["error"] = errors(fn, q, k, v, do, kp, causal, ref, backward)
-                    if kind in ("ones", "right") and call not in CHECK_ONLY:
+                    timed = kind in ("ones", "right") or (kind == "left" and call not in PREFIX_ONLY)
+                    if timed and call not in CHECK_ONLY:
                         row.update(timings(fn, q, k, v, do, kp, causal, backward))
                 except Exception as e:  # the call refused this layout: that is the finding
                     row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
