@@ -2,8 +2,9 @@
 
 trainer_profile.py read, from the step time minus the GPU's kernel time, that with fusionpass the GPU
 waits on the host for several ms per step. Summing kernels cannot say where that happens (and this
-probe's timeline did not confirm it: benchmarks/results/trainer/2026-12-07-h100-gaps-bf16.md). This probe records a timeline (torch.profiler, CPU and CUDA activity) of a few
-Trainer steps past the compile, in one process per side, and reads the GPU's idle gaps from it:
+probe's timeline did not confirm it: benchmarks/results/trainer/2026-12-07-h100-gaps-bf16.md). This
+probe records a timeline (torch.profiler, CPU and CUDA activity) of a few Trainer steps past the
+compile, in one process per side, and reads the GPU's idle gaps from it:
 - a gap is time between two GPU activities (kernels, copies, memsets) of at least `--min-gap-us`;
 - the activity that ends a gap was launched by a host call (their `correlation` ids match): the
   host ops that enclose that launch (outermost first) name what the host was busy with, and the
