@@ -144,6 +144,20 @@ def make_backend(fusions=None, **config):
     return fusionpass.backend(fusions=fusions, **config)
 
 
+# The plain-compile side of the model tests: Dynamo and AOT autograd as torch.compile runs them,
+# with eager kernels (aot_eager). Inductor's CPU code generation and C++ builds were most of the
+# CPU suite's time, and CI has a time limit; on these fp32 models eager kernels give Inductor's
+# results within the tests' tolerances. A side that must be Inductor's (its RNG, what its
+# partitioner saves, bitwise equality, bf16 rounding) names backend="inductor" itself; GPU
+# conformance always compares against Inductor.
+PLAIN_BACKEND = "aot_eager"
+
+
+def plain_compiled(module):
+    """`module` compiled as the model tests' plain reference (PLAIN_BACKEND), whole graph."""
+    return torch.compile(module, backend=PLAIN_BACKEND, fullgraph=True)
+
+
 def compile_and_count(
     module,
     *inputs,

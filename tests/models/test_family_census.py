@@ -1,7 +1,11 @@
 """The census of model families on the CPU (fusionpass/conformance/families.py): each family's tiny
 config, in bf16 and as the HF Trainer runs it with bf16=True, through the conformance runner
-(float64 eager reference, plain compile beside fusionpass, every parameter's gradient), with the
-match counts its declaration derives. A family whose fusions start or stop matching fails here."""
+(float64 eager reference, every parameter's gradient, within twice eager bf16's error), with the
+match counts its declaration derives. A family whose fusions start or stop matching fails here.
+
+Plain compile's side is left out here (run_case's `plain`) but where routing follows it: it was
+half the census's CPU time, which CI limits; the bound against plain compile's error is GPU
+conformance's, which runs it."""
 import pytest
 
 pytest.importorskip("transformers")
@@ -9,6 +13,10 @@ pytest.importorskip("transformers")
 from fusionpass.conformance import families, run_case  # noqa: E402
 
 CASES = families.cases()
+# Mixture-of-experts families whose tiny random routers pick other experts under autocast in
+# Inductor's rounding than in eager's (near-ties in the top-k): their error against float64 is
+# plain compile's, not eager's, so they keep plain compile's side.
+ROUTING_FOLLOWS_INDUCTOR = {"census/deepseek_v3/trainer-amp", "census/qwen3_moe/trainer-amp"}
 
 
 def test_the_census_covers_the_families_users_train():
@@ -17,6 +25,7 @@ def test_the_census_covers_the_families_users_train():
     # the families issue 43 found short of fused (Whisper's audio encoder-decoder is not in yet)
     assert {"t5", "gemma2", "gpt_oss", "deepseek_v3", "qwen3_moe", "olmo2", "cohere"} <= named
     assert len(CASES) >= 2 * len(named) - 4  # both modes for all but the few the CPU cannot compile
+    assert ROUTING_FOLLOWS_INDUCTOR <= {c.name for c in CASES}
 
 
 def test_expected_counts_derive_from_the_declaration():
@@ -30,5 +39,5 @@ def test_expected_counts_derive_from_the_declaration():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_family(case):
-    result = run_case(case, "cpu")
+    result = run_case(case, "cpu", plain=case.name in ROUTING_FOLLOWS_INDUCTOR)
     assert result["passed"], result["reason"]

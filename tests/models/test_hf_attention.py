@@ -21,17 +21,18 @@ transformers = pytest.importorskip("transformers")
 
 from helpers import (
     ATTENTION,
-    already_fast,
-    attention_key,
     KnownBug,
-    known_bug,
+    already_fast,
     assert_outcomes_close,
+    attention_key,
     compile_and_count,
     compiling,
     eager,
     fused_graph,
+    known_bug,
     make_backend,
     near_misses,
+    plain_compiled,
     run,
 )
 
@@ -203,9 +204,9 @@ def assert_fast_form(stats, counts):
 
 
 def plain_compile(model, args, kwargs, train):
-    """The reference: torch.compile with Inductor, no fusions."""
+    """The reference: plain torch.compile (helpers.plain_compiled), no fusions."""
     with compiling():
-        compiled = torch.compile(model, backend="inductor", fullgraph=True)
+        compiled = plain_compiled(model)
         out = run(compiled, model, args, train, kwargs=kwargs)
         assert fusionpass.stats() == {}
         return out

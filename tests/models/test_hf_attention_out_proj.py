@@ -11,7 +11,15 @@ import re
 
 import pytest
 import torch
-from helpers import assert_outcomes_close, compiling, fused_graph, make_backend, near_misses, run
+from helpers import (
+    assert_outcomes_close,
+    compiling,
+    fused_graph,
+    make_backend,
+    near_misses,
+    plain_compiled,
+    run,
+)
 from torch._inductor.utils import run_and_get_code
 
 import fusionpass
@@ -64,7 +72,7 @@ def check(model, attention_variant, out_proj_variant, train, layers=2, x=None, d
     assert len(readers) == layers, readers
     assert all(re.search(r"extern_kernels\.(addmm|mm)\(", r) for r in readers), readers
     with compiling():
-        want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), train, kwargs=kwargs)
+        want = run(plain_compiled(model), model, (x,), train, kwargs=kwargs)
     assert_outcomes_close(got, want, rtol=2e-4)
 
 

@@ -21,6 +21,7 @@ from helpers import (
     compiling,
     fused_graph,
     near_misses,
+    plain_compiled,
     run,
 )
 
@@ -77,7 +78,7 @@ def test_training_step(name):
     (miss,) = near_misses()
     assert miss[0] == FUSION and RETURNED_WITH_GRAD in miss[2], miss
     with compiling():
-        compiled = torch.compile(model, backend="inductor", fullgraph=True)
+        compiled = plain_compiled(model)
         expected = run(compiled, model, (ids,), True, kwargs=kwargs)
     assert len(expected.grads) == sum(1 for p in model.parameters() if p.requires_grad)
     assert_outcomes_close(got, expected, rtol=RTOL_FP32)
@@ -93,7 +94,7 @@ def test_evaluation_step(name):
     assert stats == {(FUSION, variant): 1}
     assert near_misses() == []
     with compiling():
-        compiled = torch.compile(model, backend="inductor", fullgraph=True)
+        compiled = plain_compiled(model)
         expected = run(compiled, model, (ids,), False, kwargs=kwargs)
         assert fusionpass.stats() == {}
     assert len(got.outputs) == 2 and got.outputs[1].shape == (2, 8, vocab)
@@ -147,7 +148,7 @@ def test_loss_only_compiles_to_a_loss_without_logits():
     (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.fusionpass.linear_cross_entropy.default]
     assert op.args[10] is False  # return_logits
     with compiling():
-        expected = run(torch.compile(model, backend="inductor", fullgraph=True), model, (ids,), True, kwargs=kwargs)
+        expected = run(plain_compiled(model), model, (ids,), True, kwargs=kwargs)
     # the loss and every gradient as plain compile of the unwrapped model gives them
     assert_tensors_close(got.outputs[0], expected.outputs[0], RTOL_FP32, "loss")
     for key, grad in expected.grads.items():

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ATTENTION, attention_key, assert_outcomes_close, compile_and_count, compiling, fused_graph, near_misses, run
+from helpers import (
+    ATTENTION,
+    assert_outcomes_close,
+    attention_key,
+    compile_and_count,
+    compiling,
+    fused_graph,
+    near_misses,
+    plain_compiled,
+    run,
+)
 
 import fusionpass
 from fusionpass.fusions.flash_attention import op as fa_ops
@@ -85,7 +95,7 @@ def check(model, variant, train, kwargs=None, rtol=2e-4):
     assert near_misses() == []
     assert stats == {attention_key(variant): 2}
     with compiling():
-        want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), train, kwargs=kwargs)
+        want = run(plain_compiled(model), model, (x,), train, kwargs=kwargs)
         assert fusionpass.stats() == {}
     assert_outcomes_close(got, want, rtol=rtol)
 
@@ -213,7 +223,7 @@ def test_eager_forms_on_by_default(family, variant, setting):
     got, stats = compile_and_count(model, x, fusions=ATTENTION, train=True, kwargs=kwargs, **training)
     assert stats == {attention_key(variant): 2}
     with compiling():
-        want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), True, kwargs=kwargs)
+        want = run(plain_compiled(model), model, (x,), True, kwargs=kwargs)
     assert_outcomes_close(got, want, rtol=2e-4)
 
 
@@ -227,7 +237,7 @@ def test_sinks_under_a_collators_padding():
     got, stats = compile_and_count(model, x, fusions=ATTENTION, train=True, kwargs={"attention_mask": mask})
     assert stats == {attention_key("eager_sinks_kernel"): 2}
     with compiling():
-        want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), True,
+        want = run(plain_compiled(model), model, (x,), True,
                    kwargs={"attention_mask": mask})
     assert_outcomes_close(got, want, rtol=2e-4)
 
@@ -253,5 +263,5 @@ def test_soft_capping_under_a_collators_padding(train, padding):
         return
     assert stats == {attention_key("eager_softcap_kernel"): 2}
     with compiling():
-        want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (ids(),), False, kwargs=kwargs)
+        want = run(plain_compiled(model), model, (ids(),), False, kwargs=kwargs)
     assert_outcomes_close(got, want, rtol=2e-4)

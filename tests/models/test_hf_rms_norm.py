@@ -19,6 +19,7 @@ from helpers import (
     compiling,
     make_backend,
     near_misses,
+    plain_compiled,
     run,
 )
 
@@ -48,9 +49,9 @@ def model_and_inputs(name, train, dtype=torch.float32, batch=2, seq=16):
 
 
 def plain_compile(model, ids, kwargs, train):
-    """The reference: torch.compile with Inductor, no fusions."""
+    """The reference: plain torch.compile (helpers.plain_compiled), no fusions."""
     with compiling():
-        compiled = torch.compile(model, backend="inductor", fullgraph=True)
+        compiled = plain_compiled(model)
         out = run(compiled, model, (ids,), train, kwargs=kwargs)
         assert fusionpass.stats() == {}
         return out

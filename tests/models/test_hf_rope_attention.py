@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_outcomes_close, compile_and_count, compiling, fused_graph, near_misses, run
+from helpers import (
+    assert_outcomes_close,
+    compile_and_count,
+    compiling,
+    fused_graph,
+    near_misses,
+    plain_compiled,
+    run,
+)
 
 from fusionpass.fusions.flash_attention import op as fa_ops
 
@@ -59,7 +67,7 @@ def compare(model, train, fusions=FUSIONS, **config):
     got, stats = compile_and_count(model, x, fusions=fusions, train=train, kwargs=kwargs, **config)
     misses = near_misses()
     with compiling():
-        want = run(torch.compile(model, backend="inductor", fullgraph=True), model, (x,), train, kwargs=kwargs)
+        want = run(plain_compiled(model), model, (x,), train, kwargs=kwargs)
     assert_outcomes_close(got, want, rtol=2e-4)
     return stats, misses
 
