@@ -159,7 +159,7 @@ def explain(model, *args, fusions=None, train: bool | None = None, **kwargs) -> 
         enabled=tuple(n for n in config_mod.FUSION_NAMES if n in cfg.fusions),
         pass_seconds=dict(STATISTICS.seconds),
         already_fast=[note for r in records for note in r.already_fast],
-        hints=_hints(model, out, STATISTICS.near_misses, train),
+        hints=_hints(model, out, STATISTICS.near_misses, train, cfg.fusions),
         attention=attention_calls(records),
     )
 
@@ -189,19 +189,12 @@ def attention_calls(records) -> list[tuple[str, str, str]]:
     return out
 
 
-def _hints(model, out, near_misses, train: bool) -> list[str]:
-    """A training graph that returns the logits keeps its loss out of linear_cross_entropy (the op's
-    logits carry no gradient); a loop that reads only the loss can drop them (docs/training-memory.md)."""
-    from fusionpass.causal_lm import why_not_standard
-    from fusionpass.fusions.linear_cross_entropy.pattern import RETURNED_WITH_GRAD
-
-    logits = getattr(out, "logits", None)
-    kept_out = any(fusion == "linear_cross_entropy" and RETURNED_WITH_GRAD in reason
-                   for fusion, _, reason in near_misses)
-    if train and kept_out and isinstance(logits, torch.Tensor) \
-            and hasattr(model, "get_output_embeddings") and why_not_standard(model) is None:
-        return [f"linear_cross_entropy is kept out because the model returns the logits "
-                f"{tuple(logits.shape)} with their gradient; a training loop that reads only the loss "
-                "can compile fusionpass.loss_only(model), whose graph returns the loss alone "
-                "(docs/training-memory.md)"]
-    return []
+def _hints(model, out, near_misses, train: bool, enabled) -> list[str]:
+    """What each enabled fusion suggests for the near misses it had (`Fusion.hint`)."""
+    hints = []
+    for name, fusion in registry.registered().items():
+        if fusion.hint is not None and name in enabled:
+            line = fusion.hint(model, out, near_misses, train)
+            if line:
+                hints.append(line)
+    return hints

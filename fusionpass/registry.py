@@ -109,6 +109,9 @@ class Fusion:
     # Which kernel runs for a match, in words (explain's attention calls: "which kernel runs for
     # each attention call and why"), or None where the fusion does not choose one
     kernel: Callable[[Match, Config], str] | None = None
+    # A line for explain's hints, or None: what the user can change so that this fusion applies to
+    # a model it missed, from (model, its output, the near misses, whether it was a training run)
+    hint: Callable[[object, object, list, bool], str | None] | None = None
 
     def __post_init__(self):
         if not self.name.isidentifier() or self.name != self.name.lower():

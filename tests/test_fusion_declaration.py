@@ -82,6 +82,20 @@ def test_the_toy_fusion_brings_its_op_kernel_conformance_and_benchmark_cases(toy
     assert list(topics)[-1] == TOY and [c.name for c in topics[TOY](smoke=True)] == ["sin(x) * 2, 64x64"]
 
 
+def test_the_toy_fusion_brings_its_explain_hint(toy, monkeypatch):
+    # explain asks each enabled fusion for its hint (Fusion.hint); the toy's speaks of its near miss
+    monkeypatch.setenv("FUSIONPASS_TOY_DOUBLE_MIN_RANK", "3")
+
+    def double(x):
+        return torch.sin(x) * 2
+
+    report = fusionpass.explain(double, torch.randn(5, 3), fusions=[TOY])
+    assert report.matches.get(TOY, 0) == 0
+    assert report.hints == ["toy_double: lower FUSIONPASS_TOY_DOUBLE_MIN_RANK to rewrite x * 2 of fewer dimensions"]
+    monkeypatch.setenv("FUSIONPASS_TOY_DOUBLE_MIN_RANK", "1")
+    assert fusionpass.explain(double, torch.randn(5, 3), fusions=[TOY]).hints == []
+
+
 def test_run_order_follows_after():
     names = fusionpass.FUSION_NAMES
     for name, fusion in registry.registered().items():

@@ -176,10 +176,37 @@ def _prepared(direction, build, q, k, v, seq_len_kv, scale, causal, extra):
     g, t, ws = _graph(_key(direction, q, k, v, scale, causal, extra),
                       lambda: build(q.dtype, (q.shape, k.shape), (q.stride(), k.stride(), v.stride()), scale, causal,
                                     q.device, extra))
-    seq_q = torch.full((B, 1, 1, 1), S, dtype=torch.int32, device=q.device)
     seq_kv = seq_len_kv.to(torch.int32).reshape(B, 1, 1, 1).contiguous()
-    workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=q.device)
-    return q, k, v, g, t, seq_q, seq_kv, workspace
+    return q, k, v, g, t, _query_lengths(B, S, q.device), seq_kv, _workspace(ws, q.device)
+
+
+# What every execution of a shape passes unchanged, kept rather than made at each call: this op's
+# Python runs at every step (benchmarks/results/trainer/2026-12-07-h100-gaps-bf16.md says what that
+# host time cost and saved).
+_QUERY_LENGTHS: dict = {}
+_WORKSPACES: dict = {}
+
+
+def _query_lengths(B: int, S: int, device: torch.device) -> torch.Tensor:
+    """[B, 1, 1, 1] int32 of S: every query row is real (cuDNN only reads it)."""
+    if torch.cuda.is_current_stream_capturing():  # a graph's pool may hand its memory on later
+        return torch.full((B, 1, 1, 1), S, dtype=torch.int32, device=device)
+    key = (B, S, device)
+    if key not in _QUERY_LENGTHS:
+        _QUERY_LENGTHS[key] = torch.full((B, 1, 1, 1), S, dtype=torch.int32, device=device)
+    return _QUERY_LENGTHS[key]
+
+
+def _workspace(size: int, device: torch.device) -> torch.Tensor:
+    """A workspace of at least `size` bytes for this stream: executions on one stream run in order,
+    so they can share one (as torch's own cuDNN calls do); one per stream keeps two streams apart."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    have = _WORKSPACES.get(key)
+    if have is None or have.numel() < size:
+        have = _WORKSPACES[key] = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+    return have
 
 
 def padded_fwd(q, k, v, seq_len_kv, *, scale: float, causal: bool, out: torch.Tensor | None = None):
@@ -202,10 +229,10 @@ def padded_fwd(q, k, v, seq_len_kv, *, scale: float, causal: bool, out: torch.Te
 
 
 def padded_bwd(do, q, k, v, out, lse, seq_len_kv, *, scale: float, causal: bool):
-    """(dq, dk, dv) of padded_fwd. The rows of dk and dv past each batch row's seq_len_kv are zero:
-    no query sees those keys, and cuDNN's padded backward need not write them (its own torch op
-    declines this layout; cudnn-frontend's changelog lists zeroed padded rows as a newer kernel's
-    feature), so they are set here rather than trusted."""
+    """(dq, dk, dv) of padded_fwd, except the rows of dk and dv past each batch row's seq_len_kv:
+    cuDNN's padded backward need not write them (its own torch op declines this layout;
+    cudnn-frontend's changelog lists zeroed padded rows as a newer kernel's feature), so the caller
+    zeroes them (`zero_past_keys`), where Inductor fuses it into generated code."""
     out, do = _bshd_or_bhsd(out), _bshd_or_bhsd(do)
     q, k, v, g, t, seq_q, seq_kv, workspace = _prepared("bwd", _build_bwd, q, k, v, seq_len_kv, scale, causal,
                                                         (out.stride(), do.stride()))
@@ -217,6 +244,12 @@ def padded_bwd(do, q, k, v, out, lse, seq_len_kv, *, scale: float, causal: bool)
     g.execute({tq: q, tk: k, tv: v, to: out, tdo: do,
                tstats: lse.reshape(B, Hq, S, 1).contiguous(), tseq_q: seq_q, tseq_kv: seq_kv, tdq: dq, tdk: dk,
                tdv: dv}, workspace, handle=_handle(q.device))
-    past = (torch.arange(S, device=q.device)[None, :] >= seq_kv.view(B, 1))[:, None, :, None]
-    zero = torch.zeros((), dtype=dk.dtype, device=dk.device)
-    return dq, torch.where(past, zero, dk), torch.where(past, zero, dv)
+    return dq, dk, dv
+
+
+def zero_past_keys(dk: torch.Tensor, dv: torch.Tensor, seq_len_kv: torch.Tensor):
+    """dk and dv [B, H, L, D] with each batch row's keys from seq_len_kv [B] on set to zero: no query
+    sees them."""
+    B, _, L, _ = dk.shape
+    past = (torch.arange(L, device=dk.device)[None, :] >= seq_len_kv.view(B, 1))[:, None, :, None]
+    return dk.masked_fill(past, 0), dv.masked_fill(past, 0)

@@ -144,11 +144,8 @@ def rng_args(p: float, seed, offset: int, device: torch.device):
     else:
         seed = int(seed)
         seed_t, lo, hi = None, i32(seed), i32(seed >> 32)
-    thr = min(round(p * 2.0**32), 2**32 - 1)
-    # As ATen's CUDA dropout: scale = 1 / float32(1 - p), applied in fp32. (struct, not a torch
-    # tensor: this also runs while torch.compile traces a triton_op.)
-    keep = struct.unpack("f", struct.pack("f", 1.0 - p))[0]
-    return seed_t, lo, hi, i32(offset), i32(offset >> 32), i32(thr), 1.0 / keep
+    thr, scale = dropout_constants(p)
+    return seed_t, lo, hi, i32(offset), i32(offset >> 32), i32(thr), scale
 
 
 def dropout_mask(shape, p: float, seed, offset: int = 0, device="cpu", *, block_n: int | None = None) -> torch.Tensor:
@@ -186,3 +183,67 @@ def fill_keep_mask(out: torch.Tensor, rng: tuple, block_n: int, halves: bool) ->
         launcher(mask_kernel, out)[(triton.cdiv(m, bm), triton.cdiv(n, block_n))](
             out, seed_t if seed_t is not None else absent(out), m, n, out.stride(0), lo, hi, olo, ohi, thr,
             SEED_PTR=seed_t is not None, HALVES=halves, BLOCK_M=bm, BLOCK_N=block_n, num_warps=4)
+
+
+# --------------------------------------------------------------------------------------------------
+# The same bits in torch: CPU graphs without the Triton interpreter (`fusionpass explain` on a machine
+# without a GPU) run the fusions' torch references, which draw the *same* keep masks as the kernels,
+# so that a CPU run and an interpreted run drop the same elements and a backward matches its forward.
+# --------------------------------------------------------------------------------------------------
+_U32 = 0xFFFFFFFF
+
+
+def dropout_constants(p: float) -> tuple[int, float]:
+    """(threshold, scale) as the kernels use them: as ATen's CUDA dropout, scale = fp32(1 / fp32(1 - p)),
+    applied in fp32 (struct, not a torch tensor: this also runs while torch.compile traces a triton_op)."""
+    threshold = min(round(p * 2.0**32), _U32)
+    keep = struct.unpack("f", struct.pack("f", 1.0 - p))[0]
+    return threshold, 1.0 / keep
+
+
+def _mulhilo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of a * b for uint32 values held in int64 (b split in 16-bit halves
+    so that no product overflows 63 bits)."""
+    t = a * (b & 0xFFFF)
+    u = a * (b >> 16) + (t >> 16)
+    return u >> 16, ((u & 0xFFFF) << 16) | (t & 0xFFFF)
+
+
+def _philox(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox4x32-10 (tl.philox_impl) of uint32 counters held in int64 tensors, key = seed mod 2**64."""
+    k0, k1 = seed & _U32, (seed >> 32) & _U32
+    for _ in range(10):
+        hi_b, lo_b = _mulhilo(c2, 0xCD9E8D57)
+        hi_a, lo_a = _mulhilo(c0, 0xD2511F53)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + 0x9E3779B9) & _U32, (k1 + 0xBB67AE85) & _U32
+    return c0, c1, c2, c3
+
+
+def _philox_words(rows: int, groups: int, seed: int, offset: int) -> torch.Tensor:
+    """[rows, groups, 4] Philox outputs of counters (group, row, offset lo, offset hi)."""
+    c0 = torch.arange(groups, dtype=torch.int64).expand(rows, groups)
+    c1 = (torch.arange(rows, dtype=torch.int64) & _U32)[:, None].expand(rows, groups)
+    c2 = torch.full_like(c0, offset & _U32)
+    c3 = torch.full_like(c0, (offset >> 32) & _U32)
+    return torch.stack(_philox(c0, c1, c2, c3, seed), dim=-1)
+
+
+def philox_keep(rows: int, cols: int, p: float, seed: int) -> torch.Tensor:
+    """The kernels' keep mask of a [rows, cols] view, in torch (bool, on the CPU)."""
+    threshold, _ = dropout_constants(p)
+    groups = (cols + 3) // 4
+    words = _philox_words(rows, groups, seed, 0).reshape(rows, groups * 4)[:, :cols]
+    return words >= threshold
+
+
+def philox_keep16(rows: int, cols: int, thr16: int, seed: int, offset: int = 0) -> torch.Tensor:
+    """Attention dropout's keep mask of a [rows, cols] view, in torch (bool, on the CPU): what
+    `keep_mask16` draws -- counter (col // 8, row, offset), the low / high 16 bits of output word w
+    for columns 8 * (col // 8) + 2w / 2w + 1, kept iff >= thr16 (the attention kernels'
+    `attention_dropout_constants`)."""
+    threshold = thr16
+    groups = (cols + 7) // 8
+    words = _philox_words(rows, groups, seed, offset)
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1).reshape(rows, groups * 8)[:, :cols]
+    return halves >= threshold

@@ -21,7 +21,7 @@ from fusionpass.kernels.attention import (
 )
 from fusionpass.fusions.layer_norm_dropout_residual.kernels import dropout_mask
 from fusionpass.ops import host
-from fusionpass.fusions.layer_norm_dropout_residual.op import philox_keep16
+from fusionpass.kernels.rng import philox_keep16
 
 # The interpreter turns program ids into Python ints for range() through a deprecated numpy path.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -583,7 +583,7 @@ def test_mask_is_the_torch_mirror(B, H, Lq, Lk, seed, offset):
     # bit for bit at rows and columns that are not multiples of 8, seeds and offsets past 32 bits,
     # a seed tensor, and every key-block size the kernels take
     p = 0.3
-    want = philox_keep16(B * H * Lq, Lk, p, seed, offset).view(B, H, Lq, Lk)
+    want = philox_keep16(B * H * Lq, Lk, attention_dropout_constants(p)[0], seed, offset).view(B, H, Lq, Lk)
     assert torch.equal(attention_dropout_mask(B, H, Lq, Lk, p, seed, offset), want)
     assert torch.equal(attention_dropout_mask(B, H, Lq, Lk, p, torch.tensor([seed]), offset), want)
     for bn in (16, 32, 128):

@@ -7,7 +7,7 @@ import torch
 
 import fusionpass  # noqa: F401  (registers the ops)
 from fusionpass.fusions.layer_norm_dropout_residual.kernels import dropout_mask
-from fusionpass.fusions.layer_norm_dropout_residual.op import philox_keep
+from fusionpass.kernels.rng import philox_keep
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 

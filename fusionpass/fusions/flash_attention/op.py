@@ -151,7 +151,7 @@ def visible(B, Lq, Lk, key_padding, causal, window, align_bottom_right, device, 
 def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bottom_right, diagonal, dropout_p, seed,
                segments=None, softcap=0.0, sinks=None):
     from fusionpass.kernels.attention import EMPTY_LSE, attention_dropout_constants
-    from fusionpass.fusions.layer_norm_dropout_residual.op import philox_keep16
+    from fusionpass.kernels.rng import philox_keep16
 
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
@@ -176,8 +176,9 @@ def _reference(q, k, v, key_padding, key_bias, scale, causal, window, align_bott
     if dropout_p > 0:
         # the kernels' keep bits (Philox row counter (b * Hq + h) * Lq + i; the ops pass offset 0)
         # and their scale, the inverse of the 16-bit threshold's keep probability
-        keep = philox_keep16(B * Hq * Lq, Lk, dropout_p, int(seed.reshape(-1)[0])).view(B, Hq, Lq, Lk)
-        p = torch.where(keep.to(q.device), p * attention_dropout_constants(dropout_p)[1], 0.0)
+        thr16, scale = attention_dropout_constants(dropout_p)
+        keep = philox_keep16(B * Hq * Lq, Lk, thr16, int(seed.reshape(-1)[0])).view(B, Hq, Lq, Lk)
+        p = torch.where(keep.to(q.device), p * scale, 0.0)
     return (p @ vf).to(q.dtype), lse
 
 

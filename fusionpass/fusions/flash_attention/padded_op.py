@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from fusionpass.fusions.flash_attention.op import token_major_empty
+from fusionpass.kernels.cudnn_attention import zero_past_keys
 from fusionpass.ops import host
 
 
@@ -251,6 +252,7 @@ def padded_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     seq_kv, prefix = _lengths(key_padding)
     dq, dk, dv, served = torch.ops.fusionpass.padded_attention_library_backward(
         do, q, k, v, out, lse, seq_kv, prefix, scale=scale, causal=causal)
+    dk, dv = zero_past_keys(dk, dv, seq_kv)  # traced, so not the opaque op's host time
     if q.device.type != "cuda":
         return _backward_rows_host(do, q, k, v, out, lse, key_padding, dq, dk, dv, served, scale=scale, causal=causal)
     return _kernel_backward(do, q, k, v, out, lse, key_padding, scale, causal, (dq, dk, dv), served)

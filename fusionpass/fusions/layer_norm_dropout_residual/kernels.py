@@ -23,30 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fusionpass.kernels.common import (
-    _FLOAT_DTYPES,
-    _TILE,
-    MAX_FUSED_BWD,
-    _as_2d,
-    _bwd_chunk,
-    _check_param,
-    _checked_bwd_width,
-    _checked_width,
-    _chunked_bwd_grid,
-    _col_sum,
-    _device_guard,
-    _for_store,
-    _fwd_chunk,
-    _load_dy_h,
-    _persistent_grid,
-    _persistent_tiles,
-    _plus_residual,
-    _round,
-    _row_block,
-    _tile_rows,
-    _warps_bwd,
-    _warps_fwd,
-)
+from fusionpass.kernels import common
+# the jit helpers by name: a kernel calls what its module's globals hold
+from fusionpass.kernels.common import (_col_sum, _for_store, _load_dy_h, _persistent_tiles, _plus_residual,
+                                         _round, _row_block, _tile_rows)
 from fusionpass.kernels.launch import absent, launcher
 from fusionpass.kernels.rng import RNG_ARGS as _RNG_ARGS
 from fusionpass.kernels.rng import RNG_GROUP as _RNG_GROUP
@@ -346,7 +326,7 @@ def _fwd_plan(n: int, store_h: bool) -> tuple[int, int] | None:
     if width <= 4096:
         return width, (8 if width == 4096 else 4)
     if width <= 8192:
-        return (_TILE, 4) if store_h else (width, 16)
+        return (common._TILE, 4) if store_h else (width, 16)
     return None
 
 
@@ -371,7 +351,7 @@ def _checked_params_and_rng(weight, bias, n, device, p, seed, offset):
     """(rng arguments, whether dropout is on) of a call, after checking weight and bias: the
     kernels read them at unit stride."""
     for param, what in ((weight, "weight"), (bias, "bias")):
-        _check_param(param, n, device, what)
+        common._check_param(param, n, device, what)
         if param is not None and param.stride(0) != 1:
             raise ValueError(f"{what} must be contiguous")
     return _rng_args(p, seed, offset, device), float(p) > 0.0
@@ -383,7 +363,7 @@ def sum_dtype(x_dtype: torch.dtype, residual_dtype: torch.dtype | None) -> torch
     their sum is fp32 in torch but no model writes it."""
     if residual_dtype is None or residual_dtype == x_dtype:
         return x_dtype
-    if torch.float32 in (x_dtype, residual_dtype) and {x_dtype, residual_dtype} <= set(_FLOAT_DTYPES):
+    if torch.float32 in (x_dtype, residual_dtype) and {x_dtype, residual_dtype} <= set(common._FLOAT_DTYPES):
         return torch.float32
     raise ValueError(f"residual dtype {residual_dtype} and x dtype {x_dtype}: one must be float32 or both equal")
 
@@ -415,13 +395,13 @@ def layer_norm_fwd(
     knob; results do not depend on it.
     """
     del residual_first  # addition in fp32 then one rounding is commutative
-    n = _checked_width(x)
+    n = common._checked_width(x)
     if residual is not None and (residual.shape != x.shape or residual.device != x.device):
         raise ValueError("residual must match x in shape and device")
     h_dtype = sum_dtype(x.dtype, None if residual is None else residual.dtype)
     rng, dropout = _checked_params_and_rng(weight, bias, n, x.device, p, seed, offset)
 
-    x2 = _as_2d(x, n)
+    x2 = common._as_2d(x, n)
     m = x2.shape[0]
     y = torch.empty(x.shape, dtype=h_dtype, device=x.device)
     mean = torch.empty((m,), dtype=torch.float32, device=x.device)
@@ -433,7 +413,7 @@ def layer_norm_fwd(
     if isinstance(m, int) and m == 0:
         return y, h_out, mean, rstd
 
-    with _device_guard(x.device):
+    with common._device_guard(x.device):
         _launch_fwd(x2, residual, weight, bias, eps, rng, dropout, y, h, h_is_x, mean, rstd, max_chunk)
     return y, h_out, mean, rstd
 
@@ -442,7 +422,7 @@ def _launch_fwd(x2, residual, weight, bias, eps, rng, dropout, y, h, h_is_x, mea
     m, n = x2.shape
     has_res = residual is not None
     write_h = h is not None
-    r2 = _as_2d(residual, n) if has_res else absent(x2)
+    r2 = common._as_2d(residual, n) if has_res else absent(x2)
     y2 = y.view(-1, n)
     # Without a transform h is x: pass 2 of the chunked path re-reads it through H (REREAD_H), which
     # the kernel then only reads
@@ -464,15 +444,15 @@ def _launch_fwd(x2, residual, weight, bias, eps, rng, dropout, y, h, h_is_x, mea
     if plan is not None:
         block_n, warps = plan
     else:
-        block_n = _fwd_chunk(n) if max_chunk is None else min(triton.next_power_of_2(n), max_chunk)
+        block_n = common._fwd_chunk(n) if max_chunk is None else min(triton.next_power_of_2(n), max_chunk)
         warps = None
     if dropout:
         block_n = max(block_n, _RNG_GROUP)  # one Philox call covers 4 columns
-    block_m = max(1, _TILE // block_n)
+    block_m = max(1, common._TILE // block_n)
     one_pass = block_n >= n
     launcher(_fwd_kernel, x2)[(triton.cdiv(m, block_m),)](
         *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass,
-        num_warps=warps or _warps_fwd(block_m * block_n, one_pass))
+        num_warps=warps or common._warps_fwd(block_m * block_n, one_pass))
 
 
 def layer_norm_bwd(
@@ -506,9 +486,9 @@ def layer_norm_bwd(
     `max_chunk` (rows wider than this take the chunked path, with chunks of at most this many
     columns) and `num_programs` (persistent grid size) are tuning/testing knobs.
     """
-    n = _checked_bwd_width(dy, dh, h)
+    n = common._checked_bwd_width(dy, dh, h)
     rng, dropout = _checked_params_and_rng(weight, bias, n, h.device, p, seed, offset)
-    h2 = _as_2d(h, n)
+    h2 = common._as_2d(h, n)
     m = h2.shape[0]
     for t, what in ((mean, "mean"), (rstd, "rstd")):
         if t.dtype != torch.float32 or t.numel() != m:
@@ -530,7 +510,7 @@ def layer_norm_bwd(
         dw = torch.zeros_like(weight) if need_dw else None
         db = torch.zeros_like(bias) if need_db else None
     else:
-        with _device_guard(h.device):
+        with common._device_guard(h.device):
             dw, db = _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, need_db,
                                  dx, dr, max_chunk, num_programs)
     if apart:
@@ -544,8 +524,8 @@ def _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, nee
                 num_programs):
     m, n = h2.shape
     dev = h2.device
-    dy2 = _as_2d(dy, n)
-    dh2 = _as_2d(dh, n) if dh is not None else absent(dy2)
+    dy2 = common._as_2d(dy, n)
+    dh2 = common._as_2d(dh, n) if dh is not None else absent(dy2)
     dx2 = dx.view(-1, n)
     dr2 = dr.view(-1, n) if dr is not None else absent(dx2)
     w = weight if weight is not None else absent(h2)
@@ -565,21 +545,21 @@ def _launch_bwd(dy, dh, h2, mean, rstd, weight, bias, rng, dropout, need_dw, nee
         dbp = torch.empty((grid, n), dtype=torch.float32, device=dev) if need_db else absent(mean)
         return dwp, dbp
 
-    limit = MAX_FUSED_BWD if max_chunk is None else max_chunk
+    limit = common.MAX_FUSED_BWD if max_chunk is None else max_chunk
     width = triton.next_power_of_2(n)
     if width <= limit:
         block_n = max(width, _RNG_GROUP) if dropout else width
-        block_m = max(1, _TILE // block_n)
+        block_m = max(1, common._TILE // block_n)
         warps, per_sm = _bwd_plan(block_n, dropout)
-        grid = _persistent_grid(per_sm, dev, triton.cdiv(m, block_m), num_programs)
+        grid = common._persistent_grid(per_sm, dev, triton.cdiv(m, block_m), num_programs)
         dwp, dbp = partials(grid)
         launcher(_bwd_kernel, h2)[(grid,)](*args(dwp, dbp), **flags, BLOCK_M=block_m, BLOCK_N=block_n,
                                             num_warps=warps)
     else:
-        block_n = max(_RNG_GROUP, _bwd_chunk(limit))
-        warps = _warps_bwd(block_n)
+        block_n = max(_RNG_GROUP, common._bwd_chunk(limit))
+        warps = common._warps_bwd(block_n)
         elt = (dy2.element_size() + h2.element_size() + 8 + (dh2.element_size() if dh is not None else 0))
-        grid = _chunked_bwd_grid(dev, n * elt, _programs_per_sm(warps), m, num_programs)
+        grid = common._chunked_bwd_grid(dev, n * elt, _programs_per_sm(warps), m, num_programs)
         dwp, dbp = partials(grid)
         launcher(_bwd_chunked_kernel, h2)[(grid,)](*args(dwp, dbp), **flags, BLOCK_N=block_n, num_warps=warps)
 

@@ -15,14 +15,11 @@ fresh seed per call (the pattern inserts `torch.randint` into the graph, once pe
 
 from __future__ import annotations
 
-import struct
-
 import torch
 from torch import Tensor
 
+from fusionpass.kernels.rng import dropout_constants, philox_keep
 from fusionpass.ops import host
-
-_U32 = 0xFFFFFFFF
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -31,68 +28,7 @@ def _rows(t: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # torch reference. CPU graphs without the Triton interpreter (`fusionpass explain` on a machine
-# without a GPU) run this. It draws the *same* keep mask as the kernels -- Philox4x32-10 keyed by
-# the seed, counter (col // 4, row, 0, 0), word col % 4, kept iff >= round(p * 2**32) -- so a CPU
-# run and an interpreted run drop the same elements, and the backward matches the forward.
-# `philox_keep16` mirrors attention dropout's 16-bit variant of the same stream (its CPU reference
-# lives in fusionpass.fusions.flash_attention.op).
-
-
-def _dropout_constants(p: float) -> tuple[int, float]:
-    """(threshold, scale) as the kernels use them: scale = fp32(1 / fp32(1 - p))."""
-    threshold = min(round(p * 2.0**32), _U32)
-    keep = struct.unpack("f", struct.pack("f", 1.0 - p))[0]
-    return threshold, 1.0 / keep
-
-
-def _mulhilo(a: Tensor, b: int) -> tuple[Tensor, Tensor]:
-    """High and low 32 bits of a * b for uint32 values held in int64 (b split in 16-bit halves
-    so that no product overflows 63 bits)."""
-    t = a * (b & 0xFFFF)
-    u = a * (b >> 16) + (t >> 16)
-    return u >> 16, ((u & 0xFFFF) << 16) | (t & 0xFFFF)
-
-
-def _philox(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Philox4x32-10 (tl.philox_impl) of uint32 counters held in int64 tensors, key = seed mod 2**64."""
-    k0, k1 = seed & _U32, (seed >> 32) & _U32
-    for _ in range(10):
-        hi_b, lo_b = _mulhilo(c2, 0xCD9E8D57)
-        hi_a, lo_a = _mulhilo(c0, 0xD2511F53)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0, k1 = (k0 + 0x9E3779B9) & _U32, (k1 + 0xBB67AE85) & _U32
-    return c0, c1, c2, c3
-
-
-def _philox_words(rows: int, groups: int, seed: int, offset: int) -> Tensor:
-    """[rows, groups, 4] Philox outputs of counters (group, row, offset lo, offset hi)."""
-    c0 = torch.arange(groups, dtype=torch.int64).expand(rows, groups)
-    c1 = (torch.arange(rows, dtype=torch.int64) & _U32)[:, None].expand(rows, groups)
-    c2 = torch.full_like(c0, offset & _U32)
-    c3 = torch.full_like(c0, (offset >> 32) & _U32)
-    return torch.stack(_philox(c0, c1, c2, c3, seed), dim=-1)
-
-
-def philox_keep(rows: int, cols: int, p: float, seed: int) -> Tensor:
-    """The kernels' keep mask of a [rows, cols] view, in torch (bool, on the CPU)."""
-    threshold, _ = _dropout_constants(p)
-    groups = (cols + 3) // 4
-    words = _philox_words(rows, groups, seed, 0).reshape(rows, groups * 4)[:, :cols]
-    return words >= threshold
-
-
-def philox_keep16(rows: int, cols: int, p: float, seed: int, offset: int = 0) -> Tensor:
-    """Attention dropout's keep mask of a [rows, cols] view, in torch (bool, on the CPU): what the
-    attention kernels' `_keep16` draws -- counter (col // 8, row, offset), the low / high 16 bits of
-    output word w for columns 8 * (col // 8) + 2w / 2w + 1, kept iff >= thr16
-    (fusionpass.kernels.attention, `attention_dropout_constants`)."""
-    from fusionpass.kernels.attention import attention_dropout_constants
-
-    threshold, _ = attention_dropout_constants(p)
-    groups = (cols + 7) // 8
-    words = _philox_words(rows, groups, seed, offset)
-    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1).reshape(rows, groups * 8)[:, :cols]
-    return halves >= threshold
+# without a GPU) run this. Its keep mask is the kernels' (fusionpass.kernels.rng, `philox_keep`).
 
 
 def _keep_mask(x: Tensor, p: float, seed: Tensor) -> Tensor:
@@ -103,7 +39,7 @@ def _keep_mask(x: Tensor, p: float, seed: Tensor) -> Tensor:
 def _reference_forward(x, residual, weight, bias, seed, eps, p, store_h):
     h = x
     if p > 0:
-        _, scale = _dropout_constants(p)
+        _, scale = dropout_constants(p)
         scaled = (x.float() * torch.tensor(scale, dtype=torch.float32)).to(x.dtype)
         h = torch.where(_keep_mask(x, p, seed), scaled, torch.zeros((), dtype=x.dtype))
     if residual is not None:
@@ -129,7 +65,7 @@ def _reference_backward(dy, dh, h, mean, rstd, weight, bias, seed, p, need_dweig
     dresidual = total.to(residual_dtype)
     dx = total.to(x_dtype)
     if p > 0:
-        _, scale = _dropout_constants(p)
+        _, scale = dropout_constants(p)
         scaled = (dx.float() * torch.tensor(scale, dtype=torch.float32)).to(x_dtype)
         dx = torch.where(_keep_mask(h, p, seed), scaled, torch.zeros((), dtype=x_dtype))
     dweight = (_rows(dy.float()) * _rows(xhat)).sum(0).to(weight.dtype) if need_dweight else None

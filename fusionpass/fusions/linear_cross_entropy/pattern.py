@@ -42,6 +42,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusionpass import registry
+from fusionpass.causal_lm import why_not_standard
 from fusionpass.cost import Either, Measured, Range, fields, mode
 from fusionpass.fusions.linear_cross_entropy import cost_table
 from fusionpass.patterns import graph as g
@@ -504,6 +505,20 @@ def replace(graph: fx.Graph, m: Match, cfg) -> None:
     g.erase_unused(graph, [ce, *reversed(chain.nodes), *b["label_nodes"]])
 
 
+def loss_only_hint(model, out, near_misses, train: bool) -> str | None:
+    """A training graph that returns the logits keeps its loss out of this fusion (the op's logits
+    carry no gradient); a loop that reads only the loss can drop them (docs/training-memory.md)."""
+    logits = getattr(out, "logits", None)
+    kept_out = any(fusion == "linear_cross_entropy" and RETURNED_WITH_GRAD in reason
+                   for fusion, _, reason in near_misses)
+    if train and kept_out and isinstance(logits, torch.Tensor) \
+            and hasattr(model, "get_output_embeddings") and why_not_standard(model) is None:
+        return (f"linear_cross_entropy is kept out because the model returns the logits {tuple(logits.shape)} "
+                "with their gradient; a training loop that reads only the loss can compile "
+                "fusionpass.loss_only(model), whose graph returns the loss alone (docs/training-memory.md)")
+    return None
+
+
 LINEAR_CROSS_ENTROPY = registry.register(
     Fusion(
         name="linear_cross_entropy",
@@ -539,5 +554,6 @@ LINEAR_CROSS_ENTROPY = registry.register(
         ),
         replace=replace,
         unmatched=unmatched,
+        hint=loss_only_hint,
     )
 )

@@ -16,31 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fusionpass.kernels.common import (
-    _FLOAT_DTYPES,
-    _MAX_PROGRAMS_PER_SM,
-    _TILE,
-    MAX_FUSED_BWD,
-    _as_2d,
-    _bwd_chunk,
-    _check_param,
-    _checked_bwd_width,
-    _checked_width,
-    _chunked_bwd_grid,
-    _col_sum,
-    _device_guard,
-    _for_store,
-    _fwd_chunk,
-    _load_dy_h,
-    _persistent_grid,
-    _persistent_tiles,
-    _plus_residual,
-    _round,
-    _row_block,
-    _tile_rows,
-    _warps_bwd,
-    _warps_fwd,
-)
+from fusionpass.kernels import common
+# the jit helpers by name: a kernel calls what its module's globals hold
+from fusionpass.kernels.common import (_col_sum, _for_store, _load_dy_h, _persistent_tiles, _plus_residual,
+                                         _round, _row_block, _tile_rows)
 from fusionpass.kernels.launch import absent, launcher
 
 __all__ = ["rms_norm_fwd", "rms_norm_bwd"]
@@ -260,7 +239,7 @@ def _row_tile(n: int) -> tuple[int, int]:
     # Depends on the row width only: under torch.compile the row count may be symbolic, and
     # branching on it would specialize the graph.
     block_n = triton.next_power_of_2(n)
-    return max(1, _TILE // block_n), block_n
+    return max(1, common._TILE // block_n), block_n
 
 
 def rms_norm_fwd(
@@ -283,17 +262,17 @@ def rms_norm_fwd(
     residual, None when `store_h` is False. rstd is fp32 of shape [numel // N].
     `max_chunk` (widest column chunk, a power of two) is a testing knob; results do not depend on it.
     """
-    n = _checked_width(x)
+    n = common._checked_width(x)
     if residual is not None and (residual.shape != x.shape or residual.device != x.device
                                  or not _residual_dtype_ok(x.dtype, residual.dtype)):
         raise ValueError("residual must match x in shape and device, and in dtype unless x is float32 "
                          "and residual 16-bit (added in float32)")
-    _check_param(weight, n, x.device, "weight")
+    common._check_param(weight, n, x.device, "weight")
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if out_dtype not in _FLOAT_DTYPES:
+    if out_dtype not in common._FLOAT_DTYPES:
         raise ValueError(f"unsupported out_dtype {out_dtype}")
 
-    x2 = _as_2d(x, n)
+    x2 = common._as_2d(x, n)
     m = x2.shape[0]
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
@@ -306,7 +285,7 @@ def rms_norm_fwd(
     if isinstance(m, int) and m == 0:
         return y, h_out, rstd
 
-    with _device_guard(x.device):
+    with common._device_guard(x.device):
         _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, y, h, rstd, max_chunk)
     return y, h_out, rstd
 
@@ -322,7 +301,7 @@ def _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, 
     m, n = x2.shape
     has_res = residual is not None
     write_h = h is not None
-    r2 = _as_2d(residual, n) if has_res else absent(x2)
+    r2 = common._as_2d(residual, n) if has_res else absent(x2)
     y2 = y.view(-1, n)
     h2 = h.view(-1, n) if write_h else absent(x2)
     # placeholders for the pointers the flags leave unused (fusionpass.kernels.launch says why)
@@ -334,12 +313,12 @@ def _launch_fwd(x, residual, weight, eps, weight_offset, weight_after_cast, x2, 
                  WEIGHT_AFTER_CAST=bool(weight_after_cast), STORE_H=write_h,
                  ROUND_BITS=x.device.type != "cuda")
     # Tiles of _TILE elements: whole short rows packed several per program, long rows in chunks.
-    block_n = _fwd_chunk(n) if max_chunk is None else min(triton.next_power_of_2(n), max_chunk)
-    block_m = max(1, _TILE // block_n)
+    block_n = common._fwd_chunk(n) if max_chunk is None else min(triton.next_power_of_2(n), max_chunk)
+    block_m = max(1, common._TILE // block_n)
     one_pass = block_n >= n
     launcher(_fwd_kernel, x2)[(triton.cdiv(m, block_m),)](
         *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass,
-        num_warps=_warps_fwd(block_m * block_n, one_pass))
+        num_warps=common._warps_fwd(block_m * block_n, one_pass))
 
 
 def rms_norm_bwd(
@@ -361,9 +340,9 @@ def rms_norm_bwd(
     dweight is in weight's dtype, or None without weight or when `need_dweight` is False.
     `max_fused` and `num_programs` (persistent grid size) are tuning/testing knobs.
     """
-    n = _checked_bwd_width(dy, dh, h)
-    _check_param(weight, n, h.device, "weight")
-    h2 = _as_2d(h, n)
+    n = common._checked_bwd_width(dy, dh, h)
+    common._check_param(weight, n, h.device, "weight")
+    h2 = common._as_2d(h, n)
     m = h2.shape[0]
     if rstd.dtype != torch.float32 or rstd.numel() != m:
         raise ValueError(f"rstd must be fp32 with {m} elements")
@@ -375,7 +354,7 @@ def rms_norm_bwd(
         dw = torch.zeros_like(weight) if need_dw else None
         return dx, dw
 
-    with _device_guard(h.device):
+    with common._device_guard(h.device):
         dw = _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, need_dw, dx, max_fused,
                          num_programs)
     return dx, dw
@@ -384,8 +363,8 @@ def rms_norm_bwd(
 def _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, need_dw, dx, max_fused,
                 num_programs):
     m, n = h2.shape
-    dy2 = _as_2d(dy, n)
-    dh2 = _as_2d(dh, n) if dh is not None else absent(dy2)
+    dy2 = common._as_2d(dy, n)
+    dh2 = common._as_2d(dh, n) if dh is not None else absent(dy2)
     dx2 = dx.view(-1, n)
     w = weight if weight is not None else absent(h2)
     flags = dict(HAS_DH=dh is not None, HAS_WEIGHT=weight is not None,
@@ -397,21 +376,21 @@ def _launch_bwd(dy, dh, h, h2, rstd, weight, weight_offset, weight_after_cast, n
                 h2.stride(0),
                 dx2.stride(0), float(weight_offset))
 
-    max_fused = MAX_FUSED_BWD if max_fused is None else max_fused
+    max_fused = common.MAX_FUSED_BWD if max_fused is None else max_fused
     if triton.next_power_of_2(n) <= max_fused:
         block_m, block_n = _row_tile(n)
-        warps = _warps_bwd(block_m * block_n)
+        warps = common._warps_bwd(block_m * block_n)
         consts = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n)
-        per_sm = min(_MAX_PROGRAMS_PER_SM, _programs_per_sm(warps))
-        grid = _persistent_grid(per_sm, h.device, triton.cdiv(m, block_m), num_programs)
+        per_sm = min(common._MAX_PROGRAMS_PER_SM, _programs_per_sm(warps))
+        grid = common._persistent_grid(per_sm, h.device, triton.cdiv(m, block_m), num_programs)
         dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else absent(rstd)
         launcher(_bwd_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
     else:
-        block_n = _bwd_chunk(max_fused)
+        block_n = common._bwd_chunk(max_fused)
         consts = dict(flags, BLOCK_N=block_n)
-        warps = _warps_bwd(block_n)
+        warps = common._warps_bwd(block_n)
         row_bytes = n * (dy.element_size() + h.element_size() + 4 + (dh.element_size() if dh is not None else 0))
-        grid = _chunked_bwd_grid(h.device, row_bytes, _programs_per_sm(warps), m, num_programs)
+        grid = common._chunked_bwd_grid(h.device, row_bytes, _programs_per_sm(warps), m, num_programs)
         dwp = torch.empty((grid, n), dtype=torch.float32, device=h.device) if need_dw else absent(rstd)
         launcher(_bwd_chunked_kernel, h2)[(grid,)](*args(dwp), **consts, num_warps=warps)
 

@@ -76,7 +76,7 @@ scaled by drop_scale = fp32(2**16 / (2**16 - thr16)), the inverse of the realize
 not of 1 - p, so the dropout stays unbiased (`attention_dropout_constants`).
 The mask is a function of (seed, offset, b, h, i, j, Hq, Lq) only, not of block sizes or launch
 knobs, so the forward, both backward kernels, `attention_dropout_mask` (tests) and the torch
-mirror `philox_keep16` (fusionpass.fusions.layer_norm_dropout_residual.op, the CPU reference) see the same bits.
+mirror `philox_keep16` (fusionpass.kernels.rng, the CPU reference) see the same bits.
 Rows repeat only past 2**32 query rows per call (B * Hq * Lq), far beyond any tensor that fits.
 As with layer_norm: pass a fresh seed per call (a one-element int64 tensor inside traced code) or
 distinct offsets, and do not share a (seed, offset) pair between an attention and a layer_norm

@@ -13,10 +13,9 @@ from fusionpass.kernels.attention.blocks import (
     _EMPTY,
     _kept,
     _key_bias,
-    _key_block_kept,
     _key_ranges,
     _load,
-    _load_kv,
+    _masked_scores,
     _LOG2E,
     _mm_operand,
     _NO_SPEC,
@@ -54,6 +53,21 @@ def _bwd_pre_kernel(O, DO, DELTA, QEND, KVLEN, sob, soh, som, sod, sdob, sdoh, s
     tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
     live = tl.sum((do != 0).to(tl.int32), 1) > 0
     tl.atomic_max(QEND + bh, tl.max(tl.where(live, offs_m + 1, 0), 0))
+
+
+@triton.jit
+def _bwd_setup(sm_scale, softcap, drop_scale, SEED, seed_lo, seed_hi, off_lo, off_hi, thr, num_blocks, heads,
+               SOFTCAP: tl.constexpr, SEED_PTR: tl.constexpr, DROPOUT: tl.constexpr):
+    """What both backward kernels start with: the scales in fp32 (torch.compile passes Python floats
+    as fp64 scalars), the dropout key, and this program's (block, batch x head, batch, head), its
+    programs laid out as num_blocks blocks per head."""
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    qk_scale, cap2 = _scale_and_cap(sm_scale, softcap, SOFTCAP)
+    drop_scale = tl.cast(drop_scale, tl.float32)
+    k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
+    pid = tl.program_id(0)
+    bh = pid // num_blocks
+    return sm_scale, qk_scale, cap2, drop_scale, k0, k1, o0, o1, t, pid % num_blocks, bh, bh // heads, bh % heads
 
 
 @triton.jit
@@ -123,15 +137,9 @@ def _bwd_dkdv_kernel(
     PREC: tl.constexpr,
 ):
     DT: tl.constexpr = Q.dtype.element_ty
-    sm_scale = tl.cast(sm_scale, tl.float32)
-    qk_scale, cap2 = _scale_and_cap(sm_scale, softcap, SOFTCAP)
-    drop_scale = tl.cast(drop_scale, tl.float32)
-    k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
-    pid = tl.program_id(0)
-    pid_n = pid % num_n
-    bhk = pid // num_n
-    b = bhk // Hkv
-    hk = bhk % Hkv
+    sm_scale, qk_scale, cap2, drop_scale, k0, k1, o0, o1, t, pid_n, bhk, b, hk = _bwd_setup(
+        sm_scale, softcap, drop_scale, SEED, seed_lo, seed_hi, off_lo, off_hi, thr, num_n, Hkv, SOFTCAP, SEED_PTR,
+        DROPOUT)
     if HAS_KVLEN:
         if tl.load(KVLEN + b) < 0:  # a batch row another kernel computes (skip_batches)
             return
@@ -215,14 +223,10 @@ def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd
               INTERP: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        kb = _key_bias(kb_base, skbn, cols, kv_end, HAS_KB, MASKED)
-        k = _load_kv(k_base + cols[:, None] * skn + offs_d[None, :] * skd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
-        v = _load_kv(v_base + cols[:, None] * svn + offs_d[None, :] * svd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
-        s, t_cap = _raw_scores(tl.dot(q, tl.trans(k), input_precision=PREC), qk_scale, cap2, SOFTCAP)
-        keep = _key_block_kept(kp_base, skpn, seg_base, seg_q, cols, kv_end, HAS_KPM, HAS_SEG)
-        s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, keep,
-                    kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM or HAS_SEG, HAS_KB,
-                    MASKED)
+        s, t_cap, k, v = _masked_scores(
+            q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, cols, pos, offs_d, d_ok, kv_end,
+            window, qk_scale, cap2, slope2, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
+            HAS_SEG, SOFTCAP, MASKED, EVEN_D, INTERP, PREC, True)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if DROPOUT:
@@ -249,15 +253,9 @@ def _bwd_dq_kernel(
 ):
     DT: tl.constexpr = Q.dtype.element_ty
     EVEN_D: tl.constexpr = D == BLOCK_D
-    sm_scale = tl.cast(sm_scale, tl.float32)
-    qk_scale, cap2 = _scale_and_cap(sm_scale, softcap, SOFTCAP)
-    drop_scale = tl.cast(drop_scale, tl.float32)
-    k0, k1, o0, o1, t = rng_key(SEED, seed_lo, seed_hi, off_lo, off_hi, thr, SEED_PTR, DROPOUT)
-    pid = tl.program_id(0)
-    pid_m = pid % num_m
-    bh = pid // num_m
-    b = bh // Hq
-    h = bh % Hq
+    sm_scale, qk_scale, cap2, drop_scale, k0, k1, o0, o1, t, pid_m, bh, b, h = _bwd_setup(
+        sm_scale, softcap, drop_scale, SEED, seed_lo, seed_hi, off_lo, off_hi, thr, num_m, Hq, SOFTCAP, SEED_PTR,
+        DROPOUT)
     if HAS_KVLEN:
         if tl.load(KVLEN + b) < 0:  # a batch row another kernel computes (skip_batches)
             return

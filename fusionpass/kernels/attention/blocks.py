@@ -283,3 +283,28 @@ def _dropout_rows(bh, Lq, rows):
     """Philox row counter of query rows `rows` of (batch * head) bh: (bh * Lq + row) mod 2**32, int32."""
     return (bh.to(tl.int64) * Lq + rows).to(tl.int32)
 
+
+@triton.jit
+def _masked_scores(q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, cols, pos, offs_d, d_ok,
+                   kv_end, window, qk_scale, cap2, slope2, seg_base, seg_q,
+                   CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
+                   HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr,
+                   MASKED: tl.constexpr, EVEN_D: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+                   V_FIRST: tl.constexpr):
+    """One key block of a query block's loop (forward and dQ): (scores in base 2 with every mask and
+    bias applied, the soft cap's tanh, the key tile, the value tile where V_FIRST).
+    The key bias is issued before the K tile: its load is not waited for after the dot. V_FIRST
+    loads V right after K, before the scores (dQ needs it at once for dP); the forward loads it
+    after its softmax step."""
+    kb = _key_bias(kb_base, skbn, cols, kv_end, HAS_KB, MASKED)
+    k = _load_kv(k_base + cols[:, None] * skn + offs_d[None, :] * skd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
+    if V_FIRST:
+        v = _load_kv(v_base + cols[:, None] * svn + offs_d[None, :] * svd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
+    else:
+        v = k  # a placeholder the caller ignores (a jitted function returns tensors, not None)
+    s, t_cap = _raw_scores(tl.dot(q, tl.trans(k), input_precision=PREC), qk_scale, cap2, SOFTCAP)
+    keep = _key_block_kept(kp_base, skpn, seg_base, seg_q, cols, kv_end, HAS_KPM, HAS_SEG)
+    s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, keep,
+                kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM or HAS_SEG, HAS_KB,
+                MASKED)
+    return s, t_cap, k, v

@@ -9,19 +9,16 @@ from fusionpass.kernels.attention.blocks import (
     _alibi_slope2,
     _dropout_rows,
     _EMPTY,
-    _key_bias,
-    _key_block_kept,
     _key_ranges,
     _LN2,
     _LOG2E,
     _load,
     _load_kv,
+    _masked_scores,
     _mm_operand,
     _NO_SPEC,
     _query_block,
-    _raw_scores,
     _scale_and_cap,
-    _scores,
     _segment_rows,
     _valid_keys,
 )
@@ -56,14 +53,10 @@ def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn
                INTERP: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        # the bias first: issued before the K tile, its load is not waited for after the dot
-        kb = _key_bias(kb_base, skbn, cols, kv_end, HAS_KB, MASKED)
-        k = _load_kv(k_base + cols[:, None] * skn + offs_d[None, :] * skd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
-        s, _t = _raw_scores(tl.dot(q, tl.trans(k), input_precision=PREC), qk_scale, cap2, SOFTCAP)
-        keep = _key_block_kept(kp_base, skpn, seg_base, seg_q, cols, kv_end, HAS_KPM, HAS_SEG)
-        s = _scores(s, pos[:, None], cols[None, :], kv_end, window, slope2, keep,
-                    kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM or HAS_SEG, HAS_KB,
-                    MASKED)
+        s, _t, _k, _v = _masked_scores(
+            q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, cols, pos, offs_d, d_ok, kv_end,
+            window, qk_scale, cap2, slope2, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
+            HAS_SEG, SOFTCAP, MASKED, EVEN_D, INTERP, PREC, False)
         # (a row may see nothing in a block of other sequences' keys)
         p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASKED or HAS_KPM or HAS_SEG)
         if DROPOUT:

@@ -44,6 +44,13 @@ def _replace(graph, m: Match, cfg) -> None:
     graph.erase_node(m.anchor)
 
 
+def rank_hint(model, out, near_misses, train) -> str | None:
+    """explain's hint where the rank rule kept a match out."""
+    if any(fusion == NAME for fusion, _, _ in near_misses):
+        return "toy_double: lower FUSIONPASS_TOY_DOUBLE_MIN_RANK to rewrite x * 2 of fewer dimensions"
+    return None
+
+
 TOY_DOUBLE = registry.register(Fusion(
     name=NAME,
     after=("rms_norm_residual",),
@@ -54,4 +61,5 @@ TOY_DOUBLE = registry.register(Fusion(
     variants=(Variant("times_two", _search),),
     guards=(Guard("rank", rank_in_range),),
     replace=_replace,
+    hint=rank_hint,
 ))
