@@ -27,6 +27,11 @@ is timed:
   device. Here our kernel still runs on every row, so it is not timed.
 - "cudnn-frontend padded fwd" (forward only): the wheel's own torch.ops.cudnn.sdpa_fwd with
   seq_len_q/seq_len_kv (its autograd does not take the padded layout).
+- "flash-attn-4" (only where the flash-attn-4 wheel imports, --fa4): FA4's CuTe DSL kernels for sm90,
+  an anchor. With no padding, its causal (or bidirectional) kernel over [B, S, H, D] views; with
+  padding, its varlen entry over the padded layout with per-row lengths on the device (seqused_k, and
+  seqused_q as well when causal: FA aligns a causal mask of unequal lengths bottom-right, so the
+  rows past a row's length are not computed and are left out of its check, forward and backward).
 Also timed: the device-side checks a route needs to find the rows it can send to cuDNN (lengths,
 "is the row's mask a prefix").
 
@@ -54,7 +59,8 @@ SHAPES = [("llama-1b d64", 4, 32, 8, 2048, 64, True), ("llama d128", 4, 32, 8, 2
           ("encoder d128", 16, 16, 16, 512, 128, False), ("encoder d256", 16, 8, 8, 512, 256, False)]
 # Calls that are exact for right padding and all ones only: on left padding they are checked (to
 # record that they are wrong there) but not timed. The others are timed on left padding too.
-PREFIX_ONLY = ("cudnn ragged", "cudnn ragged, aten's autograd", "cudnn-frontend padded", "cudnn-frontend padded fwd")
+PREFIX_ONLY = ("cudnn ragged", "cudnn ragged, aten's autograd", "cudnn-frontend padded", "cudnn-frontend padded fwd",
+               "flash-attn-4")
 
 
 def key_padding(kind, B, S, device="cuda"):
@@ -175,6 +181,33 @@ def cudnn_frontend_padded_fwd(q, k, v, kp, causal):
                                     seq_len_kv=seq_kv, return_lse=True)[0]
 
 
+def _fa4():
+    from flash_attn.cute import interface
+
+    return interface
+
+
+_ALL_ONES: dict[int, bool] = {}
+
+
+def fa4(q, k, v, kp, causal):
+    B, Hq, S, D = q.shape
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if id(kp) not in _ALL_ONES:  # the check runs before the timings' graph capture, which can't sync
+        _ALL_ONES[id(kp)] = bool(kp.all())
+    if _ALL_ONES[id(kp)]:  # a host check: the anchor's no-mask call (a route could not branch so)
+        out = _fa4().flash_attn_func(q, k, v, softmax_scale=D ** -0.5, causal=causal)[0]
+    else:
+        lengths = kp.sum(-1, dtype=torch.int32)
+        used_q = lengths if causal else torch.full_like(lengths, S)
+        out = _fa4().flash_attn_varlen_func(q, k, v, max_seqlen_q=S, max_seqlen_k=S, seqused_q=used_q,
+                                            seqused_k=lengths, softmax_scale=D ** -0.5, causal=causal)[0]
+    return out.transpose(1, 2)
+
+
+# calls that leave the query rows past each row's length out (checked on the other rows only)
+REAL_ROWS_ONLY = ("flash-attn-4",)
+
 CALLS = {"cudnn causal, no mask": cudnn_causal, "cudnn ragged": cudnn_ragged,
          "cudnn ragged, aten's autograd": cudnn_ragged_aten_autograd, "cudnn + broadcast bias": cudnn_call,
          "fusionpass kernel": fusionpass_kernel}
@@ -193,12 +226,23 @@ def prefix_rows(kp):
 
 
 # --- checks and timing --------------------------------------------------------------------------
-def errors(fn, q, k, v, do, kp, causal, ref, backward=True):
+def errors(fn, q, k, v, do, kp, causal, ref, backward=True, real_rows=False):
+    """Max abs error against float64 of out, dq, dk, dv. real_rows: only the query and key rows
+    within each row's length count, and the backward gets no gradient from the others (their dout
+    is zero on both sides); whether the rows left out read NaN is recorded apart."""
+    if real_rows:
+        keep = kp[:, None, :, None]
+        do = do * keep
+        ref = [r * keep for r in reference(q, k, v, do, kp, causal)]
     torch.utils.deterministic.fill_uninitialized_memory = True  # what a call leaves unwritten reads NaN
     qg, kg, vg = (t.detach().clone().requires_grad_(backward) for t in (q, k, v))
     out = fn(qg, kg, vg, kp, causal)
     got = (out, *torch.autograd.grad(out, (qg, kg, vg), do)) if backward else (out,)
-    row = {n: (g.double() - r).abs().max().item() for n, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+    row = {}
+    if real_rows:
+        row["nan outside the rows"] = any(bool(g.isnan().any()) for g in got)
+        got = [torch.where(keep, g, 0) for g in got]
+    row.update({n: (g.double() - r).abs().max().item() for n, g, r in zip(("out", "dq", "dk", "dv"), got, ref)})
     row["nan"] = any(bool(g.isnan().any()) for g in got)
     torch.utils.deterministic.fill_uninitialized_memory = False  # no fill kernels in the timings
     return row
@@ -271,6 +315,7 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
+    parser.add_argument("--fa4", action="store_true", help="add flash-attn-4's calls (the wheel must import)")
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True, warn_only=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -288,6 +333,15 @@ def main():
             result["cudnn_backend_seen_by_frontend"] = cudnn.backend_version()
         except Exception as e:  # only a record: the calls say whether it runs
             result["cudnn_backend_seen_by_frontend"] = f"{type(e).__name__}: {e}"[:200]
+    if args.fa4:
+        try:
+            import flash_attn.cute  # noqa: F401
+            from importlib.metadata import version
+
+            result["flash_attn_4"] = version("flash-attn-4")
+            calls_fwd = {**calls_fwd, "flash-attn-4": fa4}
+        except Exception as e:
+            result["flash_attn_4"] = f"not importable: {type(e).__name__}: {e}"[:200]
     wanted = set(args.shapes.split(",")) if args.shapes else None
     shapes = SHAPES if wanted is None else [*SHAPES, *at_lengths(wanted)]
 
@@ -308,6 +362,7 @@ def main():
         do = torch.randn(B, Hq, S, D, device="cuda", dtype=BF16, generator=gen)
         for kind in ("ones", "right", "left", "empty-row"):
             kp = key_padding(kind, B, S)
+            _ALL_ONES.clear()  # keyed by id: a new mask may reuse an old one's
             ref = reference(q, k, v, do, kp, causal)
             for call, fn in [*CALLS.items(), *calls_fwd.items()]:
                 backward = call not in FORWARD_ONLY
@@ -315,7 +370,7 @@ def main():
                 if call == "cudnn causal, no mask" and kind != "ones":
                     continue
                 try:
-                    row["error"] = errors(fn, q, k, v, do, kp, causal, ref, backward)
+                    row["error"] = errors(fn, q, k, v, do, kp, causal, ref, backward, call in REAL_ROWS_ONLY)
                     timed = kind in ("ones", "right") or (kind == "left" and call not in PREFIX_ONLY)
                     if timed and call not in CHECK_ONLY:
                         row.update(timings(fn, q, k, v, do, kp, causal, backward))
