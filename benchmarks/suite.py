@@ -143,6 +143,9 @@ class ModelCase:
     settings: dict = dataclasses.field(default_factory=dict)
     # fp32 weights under bf16 autocast (the HF Trainer's bf16=True) instead of bf16 weights
     autocast: bool = False
+    # a speech encoder-decoder (Whisper): log-mel input_features in (the config's num_mel_bins over
+    # 2 x max_source_positions frames), `seq` decoder labels, no attention_mask
+    input_features: bool = False
 
     @property
     def mode(self) -> str:
@@ -293,6 +296,11 @@ FAMILY_WIDTHS = {
     "qwen3_moe": ("Qwen3-30B-A3B, 16 of its 128 experts", dict(
         hidden_size=2048, moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         vocab_size=151936, num_experts=16, num_experts_per_tok=8)),
+    # (WhisperConfig maps hidden_size and num_attention_heads onto d_model and the encoder's heads;
+    # 30 s of audio: 1500 encoder positions; labels up to 448 tokens)
+    "whisper": ("Whisper-small", dict(hidden_size=768, num_attention_heads=12, decoder_attention_heads=12,
+                                      encoder_ffn_dim=3072, decoder_ffn_dim=3072, vocab_size=51865, num_mel_bins=80,
+                                      max_source_positions=1500, max_target_positions=448)),
 }
 FAMILY_LAYERS = 2
 
@@ -326,10 +334,14 @@ def family_cases(smoke):
         title = (f"{name}: the census's tiny config" if smoke else
                  f"{name}: {FAMILY_WIDTHS[name][0]} widths, {FAMILY_LAYERS}L")
         # (hf_model's smoke configs are not the census's: the config is built here either way)
-        build = hf_model(family.config, family.model_class, family.attention, False, **family_config(name, smoke))
+        config = family_config(name, smoke)
+        build = hf_model(family.config, family.model_class, family.attention, False, **config)
+        # (a speech model's labels stay within its decoder's positions; its collator passes no mask)
+        labels = min(seq, config.get("max_target_positions", seq))
         for amp in (False, True):
             cases.append(ModelCase(title + (", Trainer autocast (fp32 weights)" if amp else ", bf16 weights"), build,
-                                   True, batch, seq, all_ones_mask=True, autocast=amp))
+                                   True, batch, labels, all_ones_mask=not family.input_features, autocast=amp,
+                                   input_features=family.input_features))
     return cases
 
 
@@ -648,6 +660,11 @@ def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None, near_mi
             model, _ = case.build(run.device, torch.float32 if case.autocast else dtype)
             ids = torch.randint(0, model.config.vocab_size, (case.batch, case.seq), device=run.device)
             kwargs = {"labels": ids} if case.train else {}
+            inputs = (ids,)
+            if case.input_features:
+                cfg = model.config
+                inputs = (torch.randn(case.batch, cfg.num_mel_bins, 2 * cfg.max_source_positions, device=run.device,
+                                      dtype=next(model.parameters()).dtype),)
             if case.train and case.classes:
                 kwargs["labels"] = torch.randint(0, case.classes, (case.batch,), device=run.device)
             if case.all_ones_mask:
@@ -662,7 +679,7 @@ def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None, near_mi
                 # transformers looks for packed sequences only without a cache (LlamaModel makes
                 # one when use_cache is on, and then masks the row as one sequence)
                 kwargs["use_cache"] = False
-            row = measure(run, i, case.name, model, (ids,), kwargs, case.train, every, case.settings, case.without,
+            row = measure(run, i, case.name, model, inputs, kwargs, case.train, every, case.settings, case.without,
                           run.model_timing, case.eager, case.autocast)
             # every fusion is on; which ones matched is the model's business, not a failure
             row["matched"] = {f: n for f, n in row["matched"].items() if n}

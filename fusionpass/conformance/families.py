@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from fusionpass.conformance import FLOOR, Case
-from fusionpass.conformance.model_steps import INFER_ONLY, TRAIN_ONLY, TrainerLM, expected
+from fusionpass.conformance.model_steps import INFER_ONLY, TRAIN_ONLY, TrainerLM, TrainerSpeechSeq2Seq, expected
 
 LAYERS = 2
 _NO_DROPOUT = dict(attention_dropout=0.0, hidden_dropout=0.0)
@@ -205,6 +205,9 @@ class Family:
     gaps: str = ""                                # what does not match yet, and the near miss that says why
     model_class: str = "AutoModelForCausalLM"     # encoders: AutoModelForMaskedLM; T5: AutoModelForSeq2SeqLM
     attention: str = "sdpa"                       # the attn_implementation its users run
+    # a speech encoder-decoder (Whisper): its input is log-mel features (the config's num_mel_bins
+    # over 2 x max_source_positions frames), not token ids
+    input_features: bool = False
 
     def expected(self, mode: str) -> dict[str, int]:
         counts = expected((self.per_layer,) * LAYERS, self.once, train=True)
@@ -323,6 +326,23 @@ FAMILIES: dict[str, Family] = {
                       "additive bf16 tensor (\"attention mask of dtype torch.bfloat16 (an additive bias)\"), which "
                       "no kernel route takes yet; under the Trainer's autocast the layers' norms are near misses "
                       "(\"output dtype torch.bfloat16 differs from input dtype torch.float32 (mixed-dtype math)\")"),
+    # speech encoder-decoder, pre-LN with LayerNorms: a "layer" is one encoder and one decoder layer
+    # as for T5. In training each layer is its own graph: the layer loop draws its LayerDrop
+    # (torch.rand([]) < layerdrop, even at 0) and branches on it, a graph break. So what fuses is the
+    # decoder layer's two norms after an attention block's residual add.
+    "whisper": Family("WhisperConfig", {"layer_norm_dropout_residual": 2}, {},
+                      dict(decoder_layers=LAYERS, decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256,
+                           num_mel_bins=16, max_source_positions=24, max_target_positions=64, dropout=0.0,
+                           activation_dropout=0.0, decoder_start_token_id=1),
+                      drop=("intermediate_size", "num_key_value_heads", "head_dim", "max_position_embeddings"),
+                      model_class="AutoModelForSpeechSeq2Seq", input_features=True,
+                      gaps=RETURNED_LOGITS + "; the graph break at each layer's LayerDrop draw in training: the "
+                           "decoder's causal mask is an input of each layer's graph (sdpa_mask: \"mask not provable: "
+                           "the mask is an input of this graph\"), and each layer's first norm has its residual add in "
+                           "the graph before; the encoder's norms read the convolution stem's output transposed "
+                           "(layer_norm_dropout_residual: \"strides: ... not contiguous in its last dimension\"); "
+                           "the encoder's self-attention and the cross-attention have no mask: SDPA runs them as "
+                           "written"),
 }
 
 
@@ -335,6 +355,10 @@ def _make(family: Family, autocast: bool):
         cfg._attn_implementation = family.attention
         model = getattr(transformers, family.model_class).from_config(cfg).to(device, dtype)
         ids = torch.randint(3, TINY["vocab_size"], (BATCH, SEQ), device=device)
+        if family.input_features:
+            frames = 2 * cfg.max_source_positions
+            features = torch.randn(BATCH, cfg.num_mel_bins, frames, device=device, dtype=dtype)
+            return TrainerSpeechSeq2Seq(model, autocast), (features, ids)
         return TrainerLM(model, autocast), (ids, ids.clone())
 
     return make

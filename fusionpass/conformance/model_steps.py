@@ -2,8 +2,9 @@
 
 The steps: `LM` as a training loop calls a model, `LossOnlyLM` through fusionpass.loss_only,
 `TrainerLM` as the HF Trainer with bf16=True runs it (`CheckpointedTrainerLM` with
-gradient_checkpointing=True). The counts: `expected` sums per-layer and once-only declarations
-(conformance/families.py), where a count is an int or (training, inference)."""
+gradient_checkpointing=True, `TrainerSpeechSeq2Seq` for a speech encoder-decoder's batch). The
+counts: `expected` sums per-layer and once-only declarations (conformance/families.py), where a
+count is an int or (training, inference)."""
 from __future__ import annotations
 
 import torch
@@ -68,6 +69,17 @@ class TrainerLM(nn.Module):
     def forward(self, input_ids, labels):
         with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=labels)
+        return (out.loss,) if out.logits is None else (out.loss, out.logits.float())
+
+
+class TrainerSpeechSeq2Seq(TrainerLM):
+    """TrainerLM for a speech encoder-decoder (Whisper): its collator (transformers' speech
+    fine-tuning recipe, DataCollatorSpeechSeq2SeqWithPadding) passes the log-mel `input_features`
+    and the `labels`, and no attention_mask."""
+
+    def forward(self, input_features, labels):
+        with torch.autocast(input_features.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.model(input_features=input_features, labels=labels)
         return (out.loss,) if out.logits is None else (out.loss, out.logits.float())
 
 
