@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fusionpass.kernels.cudnn_attention import padded_bwd, padded_fwd
+from fusionpass.kernels.cudnn_attention import padded_bwd, padded_fwd, zero_past_keys
 
 
 class PaddedAttention(torch.autograd.Function):
@@ -22,4 +22,5 @@ class PaddedAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, out, lse, seq_len_kv = ctx.saved_tensors
         dq, dk, dv = padded_bwd(do, q, k, v, out, lse, seq_len_kv, scale=ctx.scale, causal=ctx.causal)
+        dk, dv = zero_past_keys(dk, dv, seq_len_kv)  # as the route does: cuDNN need not write those rows
         return dq, dk, dv, None, None, None
