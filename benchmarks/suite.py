@@ -286,6 +286,9 @@ FAMILY_WIDTHS = {
         hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
         vocab_size=201088, num_local_experts=8, num_experts_per_tok=4, sliding_window=128)),
     "bert": ("BERT-base", dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, vocab_size=30522)),
+    "roberta": ("RoBERTa-base", dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, vocab_size=50265)),
+    # (DistilBertConfig maps hidden_size and num_attention_heads onto dim and n_heads)
+    "distilbert": ("DistilBERT-base", dict(hidden_size=768, hidden_dim=3072, num_attention_heads=12, vocab_size=30522)),
     # (T5Config maps hidden_size and num_attention_heads onto d_model and num_heads)
     "t5": ("T5-base", dict(hidden_size=768, d_ff=3072, num_attention_heads=12, head_dim=64, vocab_size=32128)),
     # (MLA: q/k heads of 128 + a rotated 64, v 128; the census's first dense layer, then routed experts)

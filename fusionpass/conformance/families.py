@@ -190,6 +190,9 @@ RETURNED_LOGITS = ("linear_cross_entropy: not the standard causal-LM forward, so
                    "logits that require grad (the op's logits carry none)")
 # Pre-LN families with LayerNorm (GPT-NeoX, Phi, StarCoder2, StableLM): attention, rope, loss
 ATTENTION_LAYER = {"rope": 1, "flash_attention": 1, "attention_out_proj": 1}
+# Post-LN encoders (BERT and the BERT-likes): attention with its output projection, and both
+# dropout + residual + LayerNorm blocks
+ENCODER_LAYER = {"flash_attention": 1, "attention_out_proj": 1, "layer_norm_dropout_residual": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,11 +314,18 @@ FAMILIES: dict[str, Family] = {
                              "experts' SwiGLU); under autocast, as Qwen3, its q/k norms"),
     # encoders: BERT's post-LN layers (attention with its output projection, two dropout + residual
     # + LayerNorms), its masked-LM loss
-    "bert": Family("BertConfig", {"flash_attention": 1, "attention_out_proj": 1, "layer_norm_dropout_residual": 2},
-                   {}, dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "bert": Family("BertConfig", ENCODER_LAYER, {}, dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
                    model_class="AutoModelForMaskedLM",
                    gaps=RETURNED_LOGITS + "; the embeddings' LayerNorm (nothing to add to it: left alone by "
                         "design)"),
+    "roberta": Family("RobertaConfig", ENCODER_LAYER, {},
+                      dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1),
+                      model_class="AutoModelForMaskedLM",
+                      gaps=RETURNED_LOGITS + "; the embeddings' LayerNorm over the sum of word, position and "
+                           "token-type embeddings (the near miss calls that sum a parallel residual)"),
+    "distilbert": Family("DistilBertConfig", ENCODER_LAYER, {}, dict(hidden_dim=256, dropout=0.0, attention_dropout=0.0),
+                         drop=("num_key_value_heads", "head_dim"), model_class="AutoModelForMaskedLM",
+                         gaps=RETURNED_LOGITS),
     # encoder-decoder: a "layer" here is one encoder layer (2 RMSNorms) and one decoder layer (3), the
     # encoder's and decoder's final norms once
     "t5": Family("T5Config", {"rms_norm_residual": 5}, {"rms_norm_residual": 2},
