@@ -337,22 +337,23 @@ FAMILIES: dict[str, Family] = {
                       "no kernel route takes yet; under the Trainer's autocast the layers' norms are near misses "
                       "(\"output dtype torch.bfloat16 differs from input dtype torch.float32 (mixed-dtype math)\")"),
     # speech encoder-decoder, pre-LN with LayerNorms: a "layer" is one encoder and one decoder layer
-    # as for T5. In training each layer is its own graph: the layer loop draws its LayerDrop
-    # (torch.rand([]) < layerdrop, even at 0) and branches on it, a graph break. So what fuses is the
-    # decoder layer's two norms after an attention block's residual add.
+    # as for T5. In training on transformers 5.17 each layer is its own graph: the layer loop draws
+    # its LayerDrop (torch.rand([]) < layerdrop, even at 0) and branches on it, a graph break. So what
+    # fuses is the decoder layer's two norms after an attention block's residual add. (5.25 draws
+    # only when layerdrop > 0: there the graph stays whole, and these counts are 5.17's.)
     "whisper": Family("WhisperConfig", {"layer_norm_dropout_residual": 2}, {},
                       dict(decoder_layers=LAYERS, decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256,
                            num_mel_bins=16, max_source_positions=24, max_target_positions=64, dropout=0.0,
                            activation_dropout=0.0, decoder_start_token_id=1),
                       drop=("intermediate_size", "num_key_value_heads", "head_dim", "max_position_embeddings"),
                       model_class="AutoModelForSpeechSeq2Seq", input_features=True,
-                      gaps=RETURNED_LOGITS + "; the graph break at each layer's LayerDrop draw in training: the "
-                           "decoder's causal mask is an input of each layer's graph (sdpa_mask: \"mask not provable: "
-                           "the mask is an input of this graph\"), and each layer's first norm has its residual add in "
-                           "the graph before; the encoder's norms read the convolution stem's output transposed "
-                           "(layer_norm_dropout_residual: \"strides: ... not contiguous in its last dimension\"); "
-                           "the encoder's self-attention and the cross-attention have no mask: SDPA runs them as "
-                           "written"),
+                      gaps=RETURNED_LOGITS + "; on transformers 5.17, the graph break at each layer's LayerDrop draw "
+                           "in training: the decoder's causal mask is an input of each layer's graph (sdpa_mask: "
+                           "\"mask not provable: the mask is an input of this graph\"), and each layer's first norm "
+                           "has its residual add in the graph before; the encoder's norms read the convolution "
+                           "stem's output transposed (layer_norm_dropout_residual: \"strides: ... not contiguous in "
+                           "its last dimension\"); the encoder's self-attention and the cross-attention have no "
+                           "mask: SDPA runs them as written"),
 }
 
 
