@@ -665,9 +665,9 @@ def model_rows(run: Run, cases: list[ModelCase], budget_s: float | None, near_mi
             kwargs = {"labels": ids} if case.train else {}
             inputs = (ids,)
             if case.input_features:
-                cfg = model.config
-                inputs = (torch.randn(case.batch, cfg.num_mel_bins, 2 * cfg.max_source_positions, device=run.device,
-                                      dtype=next(model.parameters()).dtype),)
+                from fusionpass.conformance.model_steps import log_mel_features
+
+                inputs = (log_mel_features(model.config, case.batch, run.device, model.dtype),)
             if case.train and case.classes:
                 kwargs["labels"] = torch.randint(0, case.classes, (case.batch,), device=run.device)
             if case.all_ones_mask:

@@ -26,7 +26,8 @@ from collections.abc import Mapping
 import torch
 
 from fusionpass.conformance import FLOOR, Case
-from fusionpass.conformance.model_steps import INFER_ONLY, TRAIN_ONLY, TrainerLM, TrainerSpeechSeq2Seq, expected
+from fusionpass.conformance.model_steps import (INFER_ONLY, TRAIN_ONLY, TrainerLM, TrainerSpeechSeq2Seq, expected,
+                                               log_mel_features)
 
 LAYERS = 2
 _NO_DROPOUT = dict(attention_dropout=0.0, hidden_dropout=0.0)
@@ -367,9 +368,7 @@ def _make(family: Family, autocast: bool):
         model = getattr(transformers, family.model_class).from_config(cfg).to(device, dtype)
         ids = torch.randint(3, TINY["vocab_size"], (BATCH, SEQ), device=device)
         if family.input_features:
-            frames = 2 * cfg.max_source_positions
-            features = torch.randn(BATCH, cfg.num_mel_bins, frames, device=device, dtype=dtype)
-            return TrainerSpeechSeq2Seq(model, autocast), (features, ids)
+            return TrainerSpeechSeq2Seq(model, autocast), (log_mel_features(cfg, BATCH, device, dtype), ids)
         return TrainerLM(model, autocast), (ids, ids.clone())
 
     return make

@@ -67,8 +67,14 @@ class TrainerLM(nn.Module):
         self.model = LossOnly(model) if why_not_standard(model) is None else model
 
     def forward(self, input_ids, labels):
-        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=labels)
+        return self._step(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=labels)
+
+    def _step(self, **batch):
+        """The model on the collator's `batch` under the Trainer's autocast: (loss,), or (loss, fp32
+        logits) where the model returns logits."""
+        device = next(iter(batch.values())).device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.model(**batch)
         return (out.loss,) if out.logits is None else (out.loss, out.logits.float())
 
 
@@ -78,9 +84,13 @@ class TrainerSpeechSeq2Seq(TrainerLM):
     and the `labels`, and no attention_mask."""
 
     def forward(self, input_features, labels):
-        with torch.autocast(input_features.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.model(input_features=input_features, labels=labels)
-        return (out.loss,) if out.logits is None else (out.loss, out.logits.float())
+        return self._step(input_features=input_features, labels=labels)
+
+
+def log_mel_features(config, batch: int, device, dtype) -> torch.Tensor:
+    """A speech encoder-decoder's input as its collator passes it: [batch, num_mel_bins,
+    2 x max_source_positions] (the encoder's convolution stem halves the frames)."""
+    return torch.randn(batch, config.num_mel_bins, 2 * config.max_source_positions, device=device, dtype=dtype)
 
 
 class CheckpointedTrainerLM(TrainerLM):
