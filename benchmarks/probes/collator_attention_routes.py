@@ -27,11 +27,12 @@ is timed:
   device. Here our kernel still runs on every row, so it is not timed.
 - "cudnn-frontend padded fwd" (forward only): the wheel's own torch.ops.cudnn.sdpa_fwd with
   seq_len_q/seq_len_kv (its autograd does not take the padded layout).
-- "flash-attn-4" (only where the flash-attn-4 wheel imports, --fa4): FA4's CuTe DSL kernels for sm90,
-  an anchor. With no padding, its causal (or bidirectional) kernel over [B, S, H, D] views; with
-  padding, its varlen entry over the padded layout with per-row lengths on the device (seqused_k, and
-  seqused_q as well when causal: FA aligns a causal mask of unequal lengths bottom-right, so the
-  rows past a row's length are not computed and are left out of its check, forward and backward).
+- "flash-attn-4, no mask" and "flash-attn-4 lengths" (only where the flash-attn-4 wheel imports,
+  --fa4): FA4's CuTe DSL kernels for sm90, anchors. Without the mask, its causal (or bidirectional)
+  kernel over [B, S, H, D] views, on the all-ones batch; with the mask, its varlen entry over the
+  padded layout with per-row lengths on the device (seqused_k, and seqused_q as well when causal:
+  FA aligns a causal mask of unequal lengths bottom-right, so the rows past a row's length are not
+  computed and are left out of its check, forward and backward).
 Also timed: the device-side checks a route needs to find the rows it can send to cuDNN (lengths,
 "is the row's mask a prefix").
 
@@ -60,7 +61,7 @@ SHAPES = [("llama-1b d64", 4, 32, 8, 2048, 64, True), ("llama d128", 4, 32, 8, 2
 # Calls that are exact for right padding and all ones only: on left padding they are checked (to
 # record that they are wrong there) but not timed. The others are timed on left padding too.
 PREFIX_ONLY = ("cudnn ragged", "cudnn ragged, aten's autograd", "cudnn-frontend padded", "cudnn-frontend padded fwd",
-               "flash-attn-4")
+               "flash-attn-4 lengths")
 
 
 def key_padding(kind, B, S, device="cuda"):
@@ -187,26 +188,27 @@ def _fa4():
     return interface
 
 
-_ALL_ONES: dict[int, bool] = {}
-
-
-def fa4(q, k, v, kp, causal):
-    B, Hq, S, D = q.shape
+def fa4_no_mask(q, k, v, kp, causal):
+    """FA4's causal (or bidirectional) kernel without the mask: the anchor on the all-ones batch."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if id(kp) not in _ALL_ONES:  # the check runs before the timings' graph capture, which can't sync
-        _ALL_ONES[id(kp)] = bool(kp.all())
-    if _ALL_ONES[id(kp)]:  # a host check: the anchor's no-mask call (a route could not branch so)
-        out = _fa4().flash_attn_func(q, k, v, softmax_scale=D ** -0.5, causal=causal)[0]
-    else:
-        lengths = kp.sum(-1, dtype=torch.int32)
-        used_q = lengths if causal else torch.full_like(lengths, S)
-        out = _fa4().flash_attn_varlen_func(q, k, v, max_seqlen_q=S, max_seqlen_k=S, seqused_q=used_q,
-                                            seqused_k=lengths, softmax_scale=D ** -0.5, causal=causal)[0]
+    return _fa4().flash_attn_func(q, k, v, softmax_scale=q.shape[-1] ** -0.5, causal=causal)[0].transpose(1, 2)
+
+
+def fa4_lengths(q, k, v, kp, causal):
+    """FA4's varlen entry over the padded layout, each row's length from the mask on the device."""
+    S, D = q.shape[2], q.shape[3]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    lengths = kp.sum(-1, dtype=torch.int32)
+    used_q = lengths if causal else torch.full_like(lengths, S)
+    out = _fa4().flash_attn_varlen_func(q, k, v, max_seqlen_q=S, max_seqlen_k=S, seqused_q=used_q,
+                                        seqused_k=lengths, softmax_scale=D ** -0.5, causal=causal)[0]
     return out.transpose(1, 2)
 
 
 # calls that leave the query rows past each row's length out (checked on the other rows only)
-REAL_ROWS_ONLY = ("flash-attn-4",)
+REAL_ROWS_ONLY = ("flash-attn-4 lengths",)
+# calls that ignore the padding: checked and timed on the all-ones batch only
+NO_MASK = ("cudnn causal, no mask", "flash-attn-4, no mask")
 
 CALLS = {"cudnn causal, no mask": cudnn_causal, "cudnn ragged": cudnn_ragged,
          "cudnn ragged, aten's autograd": cudnn_ragged_aten_autograd, "cudnn + broadcast bias": cudnn_call,
@@ -339,7 +341,7 @@ def main():
             from importlib.metadata import version
 
             result["flash_attn_4"] = version("flash-attn-4")
-            calls_fwd = {**calls_fwd, "flash-attn-4": fa4}
+            calls_fwd = {**calls_fwd, "flash-attn-4, no mask": fa4_no_mask, "flash-attn-4 lengths": fa4_lengths}
         except Exception as e:
             result["flash_attn_4"] = f"not importable: {type(e).__name__}: {e}"[:200]
     wanted = set(args.shapes.split(",")) if args.shapes else None
@@ -362,12 +364,11 @@ def main():
         do = torch.randn(B, Hq, S, D, device="cuda", dtype=BF16, generator=gen)
         for kind in ("ones", "right", "left", "empty-row"):
             kp = key_padding(kind, B, S)
-            _ALL_ONES.clear()  # keyed by id: a new mask may reuse an old one's
             ref = reference(q, k, v, do, kp, causal)
             for call, fn in [*CALLS.items(), *calls_fwd.items()]:
                 backward = call not in FORWARD_ONLY
                 row = {"shape": name, "padding": kind, "call": call}
-                if call == "cudnn causal, no mask" and kind != "ones":
+                if call in NO_MASK and kind != "ones":
                     continue
                 try:
                     row["error"] = errors(fn, q, k, v, do, kp, causal, ref, backward, call in REAL_ROWS_ONLY)
