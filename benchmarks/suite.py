@@ -798,6 +798,57 @@ def write_topic(out_dir: pathlib.Path, topic: str, env: dict, rows: list[dict], 
     say(f"  wrote {out_dir / topic}.md and .json")
 
 
+FAMILY_COLUMNS = [*MODEL_COLUMNS, ("near_misses", "near misses")]
+
+
+def families_summary(rows) -> list[str]:
+    """Issue 43's census bars over the measured training rows: none below 1.00x, the median at
+    least 1.15x over at least 20 families."""
+    train = [r for r in rows if r.get("mode") == "train" and isinstance(r.get("ratio"), (int, float))]
+    if not train:
+        return ["No family was measured.", ""]
+    lines = []
+    for dtype in sorted({r["dtype"] for r in train}):
+        ratios = [r["ratio"] for r in train if r["dtype"] == dtype]
+        below = sorted((r["case"].split(":")[0], r["ratio"]) for r in train if r["dtype"] == dtype and r["ratio"] < 1.0)
+        lines.append(f"Training, {dtype}: {len(ratios)} families, median plain / fusionpass "
+                     f"{statistics.median(ratios):.3f}x, lowest {min(ratios):.3f}x; below 1.00x: "
+                     + (", ".join(f"{n} {x:.3f}x" for n, x in below) or "none") + ".")
+    return [*lines, ""]
+
+
+def write_families(out_dir: pathlib.Path, env: dict, rows: list[dict]) -> None:
+    write_topic(out_dir, "families", env, rows, FAMILY_COLUMNS, extra=families_summary(rows))
+
+
+def merge_topic(out_dir: pathlib.Path, topic: str, parts: list[pathlib.Path]) -> None:
+    """One topic from the runs in `parts` (each a folder with <topic>.json), in that order: the
+    environment is the first run's; a row of another run carries that run's environment (as a
+    row merged by hand does), and a row skipped in one run gives way to the same case measured
+    in another."""
+    runs = [json.loads((part / f"{topic}.json").read_text()) for part in parts]
+    env, rows, where = runs[0]["environment"], [], {}
+    for run in runs:
+        for row in run["rows"]:
+            if run is not runs[0]:
+                row = {**row, "environment": run["environment"]}
+            key = (row["case"], row["mode"], row["dtype"])
+            if key in where and "skipped" not in rows[where[key]]:
+                continue
+            if key in where:
+                rows[where[key]] = row
+            else:
+                where[key] = len(rows)
+                rows.append(row)
+    rows = [r for r in rows if "skipped" not in r] + [r for r in rows if "skipped" in r]
+    env = {**env, "seconds": sum(r["environment"].get("seconds", 0) for r in runs),
+           "command": "; ".join(dict.fromkeys(r["environment"]["command"] for r in runs))}
+    if topic == "families":
+        write_families(out_dir, env, rows)
+    else:
+        write_topic(out_dir, topic, env, rows, MODEL_COLUMNS)
+
+
 def compile_time_summary(rows) -> list[str]:
     added = [r["added"] for r in rows if "added" in r]
     if not added:
@@ -862,6 +913,9 @@ def readme_section(latest: pathlib.Path = LATEST) -> str:
     if "compile-time" in topics:
         lines += ["", "First-step compile time of the model steps above (`latest/compile-time.md`): "
                   + compile_time_summary(topics["compile-time"]["rows"])[0]]
+    if "families" in topics:
+        lines += ["", "The census of model families at their published widths (`latest/families.md`, "
+                  "issue 43's bars): " + " ".join(families_summary(topics["families"]["rows"])).strip()]
     measured = [t for t in COST_TABLE_TOPICS if t in topics]
     if measured:
         lines += ["", "The cost rules' shape-class tables: "
@@ -989,11 +1043,17 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=None,
                    help="seconds per topic; cases after it is spent become 'skipped' rows")
     p.add_argument("--readme", action="store_true", help="rewrite README.md's performance table and exit")
+    p.add_argument("--merge", default=None, metavar="DIR,DIR...",
+                   help="write each --only topic (models or families) into --out-dir from these runs' results and exit")
     p.add_argument("--cost-tables", action="store_true",
                    help="write each fusion folder's cost_table.py from its measured topic in --out-dir and exit")
     args = p.parse_args(argv)
     if args.readme:
         rewrite_readme()
+        return 0
+    if args.merge:
+        for topic in (args.only or "families").split(","):
+            merge_topic(pathlib.Path(args.out_dir), topic, [pathlib.Path(d) for d in args.merge.split(",")])
         return 0
     if args.cost_tables:
         for path in write_cost_tables(pathlib.Path(args.out_dir)):
@@ -1046,8 +1106,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         say("topic families")
         rows = model_rows(run, keep(family_cases(args.smoke)), args.budget_s, near_misses=True)
-        write_topic(out_dir, "families", {**env, "seconds": round(time.perf_counter() - t0)}, rows,
-                    [*MODEL_COLUMNS, ("near_misses", "near misses")])
+        write_families(out_dir, {**env, "seconds": round(time.perf_counter() - t0)}, rows)
     if "regional" in chosen:
         t0 = time.perf_counter()
         say("topic regional")

@@ -170,6 +170,37 @@ def test_a_row_that_ran_apart_names_its_gpu(tmp_path):
     assert "Measured on GPU A (" in text and "Measured on GPU B (" in text and "2026-12-06;" in text
 
 
+def test_families_from_two_runs(tmp_path):
+    """--merge: the census's rows from two runs in one table; a case skipped in the first run (its
+    budget spent) is the second run's row, which keeps that run's environment; the summary states
+    issue 43's bars (the median, the families below 1.00x) per dtype, over the training rows."""
+    suite = _suite()
+    env = {"date": "2026-12-07", "gpu": "GPU A", "torch": "2.11", "triton": "3.6", "command": "first", "seconds": 5}
+
+    def row(name, ratio=None, dtype="bfloat16"):
+        head = {"case": f"{name}: W widths, 2L", "mode": "train", "dtype": dtype}
+        return {**head, "skipped": "budget"} if ratio is None else {**head, "plain_ms": 1.0, "fusionpass_ms": 1.0,
+                                                                    "ratio": ratio}
+
+    runs = []
+    for i, rows in enumerate(([row("t5", 1.02), row("gemma2")], [row("gemma2", 0.97), row("llama", 1.2),
+                                                                  row("llama", 1.1, "bf16 autocast")])):
+        runs.append(tmp_path / f"run{i}")
+        runs[-1].mkdir()
+        (runs[-1] / "families.json").write_text(json.dumps(
+            {"topic": "families", "environment": {**env, "command": f"run {i}"}, "rows": rows}))
+    suite.main(["--merge", ",".join(map(str, runs)), "--only", "families", "--out-dir", str(tmp_path / "out")])
+    merged = json.loads((tmp_path / "out" / "families.json").read_text())
+    assert [(r["case"].split(":")[0], r.get("ratio")) for r in merged["rows"]] == [
+        ("t5", 1.02), ("gemma2", 0.97), ("llama", 1.2), ("llama", 1.1)]
+    assert "environment" not in merged["rows"][0] and merged["rows"][1]["environment"]["command"] == "run 1"
+    assert merged["environment"]["command"] == "run 0; run 1" and merged["environment"]["seconds"] == 10
+    text = (tmp_path / "out" / "families.md").read_text()
+    assert ("Training, bfloat16: 3 families, median plain / fusionpass 1.020x, lowest 0.970x; below 1.00x: "
+            "gemma2 0.970x.") in text
+    assert "Training, bf16 autocast: 1 families" in text and "below 1.00x: none." in text
+
+
 def test_readme_trainer_table_is_generated_from_its_result():
     """README's first table (what a Trainer user gets) is benchmarks/results/latest/trainer.json's."""
     suite = _suite()
