@@ -86,6 +86,8 @@ def test_families_smoke_run(tmp_path):
         assert "error" not in row and row["plain_ms"] > 0 and row["fusionpass_ms"] > 0, row
         assert row["matched"]["flash_attention"] == 2 and row["matched"]["swiglu_mlp"] == 2, row
         assert "rms_norm_residual: width: row width 256 outside" in row["near_misses"], row
+        # install()'s Trainer runs Llama's loss through loss_only: the logits are no output to keep
+        assert row["trainer_loss"] == "loss_only" and "returned with requires_grad" not in row["near_misses"], row
     # every census family has the widths of a checkpoint to be measured at, and its config takes
     # them (a config that maps one name onto another, as GPT-2's, must not fall back to the tiny one)
     import transformers
