@@ -33,6 +33,11 @@ is timed:
   padded layout with per-row lengths on the device (seqused_k, and seqused_q as well when causal:
   FA aligns a causal mask of unequal lengths bottom-right, so the rows past a row's length are not
   computed and are left out of its check, forward and backward).
+  The wheels it needs beside torch (none on the GPU machine): flash-attn-4, quack-kernels,
+  apache-tvm-ffi, torch-c-dlpack-ext, nvidia-cutlass-dsl and its libs-base, libs-core (the `cutlass`
+  Python package: without it `cutlass.cute` does not import) and libs-cu13; the libs' `dsl_packages`
+  folder goes on PYTHONPATH when they are unpacked rather than installed (the .pth that adds it is
+  not read from a --target folder).
 Also timed: the device-side checks a route needs to find the rows it can send to cuDNN (lengths,
 "is the row's mask a prefix").
 
