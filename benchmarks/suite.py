@@ -320,6 +320,10 @@ def family_config(name: str, smoke: bool) -> dict:
 
     family = families.FAMILIES[name]
     config = {k: v for k, v in {**families.TINY, **family.overrides}.items() if k not in family.drop}
+    # the census's eager expert loop is for its float64 reference, which has no grouped_mm; here each
+    # MoE family runs what its users get, transformers' default (grouped_mm where it dispatches,
+    # no recompile per routing pattern)
+    config.pop("experts_implementation", None)
     if not smoke:
         config.update(FAMILY_WIDTHS[name][1])
         # (both spellings where a config maps one onto the other, GPT-2's n_layer and n_positions)
