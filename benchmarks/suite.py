@@ -836,7 +836,8 @@ def families_summary(rows) -> list[str]:
     if not any("trainer_loss" in r for r in train):
         lines.append("These rows were measured before the topic called each side as its Trainer does: both sides "
                      "returned the logits, which keeps linear_cross_entropy out of the standard causal LMs too "
-                     "(its near miss says so).")
+                     "(its near miss says so), and the MoE families ran the census's eager expert loop, not "
+                     "transformers' default.")
     return [*lines, ""]
 
 
