@@ -828,8 +828,9 @@ def families_summary(rows) -> list[str]:
         return ["No family was measured.", ""]
     lines = []
     for dtype in sorted({r["dtype"] for r in train}):
-        ratios = [r["ratio"] for r in train if r["dtype"] == dtype]
-        below = sorted((r["case"].split(":")[0], r["ratio"]) for r in train if r["dtype"] == dtype and r["ratio"] < 1.0)
+        measured = [r for r in train if r["dtype"] == dtype]
+        ratios = [r["ratio"] for r in measured]
+        below = sorted((r["case"].split(":")[0], r["ratio"]) for r in measured if r["ratio"] < 1.0)
         lines.append(f"Training, {dtype}: {len(ratios)} families, median plain / fusionpass "
                      f"{statistics.median(ratios):.3f}x, lowest {min(ratios):.3f}x; below 1.00x: "
                      + (", ".join(f"{n} {x:.3f}x" for n, x in below) or "none") + ".")
@@ -857,13 +858,11 @@ def merge_topic(out_dir: pathlib.Path, topic: str, parts: list[pathlib.Path]) ->
             if run is not runs[0]:
                 row = {**row, "environment": run["environment"]}
             key = (row["case"], row["mode"], row["dtype"])
-            if key in where and "skipped" not in rows[where[key]]:
-                continue
-            if key in where:
-                rows[where[key]] = row
-            else:
+            if key not in where:
                 where[key] = len(rows)
                 rows.append(row)
+            elif "skipped" in rows[where[key]]:
+                rows[where[key]] = row
     rows = [r for r in rows if "skipped" not in r] + [r for r in rows if "skipped" in r]
     env = {**env, "seconds": sum(r["environment"].get("seconds", 0) for r in runs),
            "command": "; ".join(dict.fromkeys(r["environment"]["command"] for r in runs))}
@@ -1076,7 +1075,10 @@ def main(argv=None) -> int:
         rewrite_readme()
         return 0
     if args.merge:
-        for topic in (args.only or "families").split(","):
+        merged = (args.only or "families").split(",")
+        if set(merged) - {"models", "families"}:
+            p.error("--merge writes the models and families topics only")
+        for topic in merged:
             merge_topic(pathlib.Path(args.out_dir), topic, [pathlib.Path(d) for d in args.merge.split(",")])
         return 0
     if args.cost_tables:
