@@ -323,7 +323,7 @@ FAMILIES: dict[str, Family] = {
                       dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1),
                       model_class="AutoModelForMaskedLM",
                       gaps=RETURNED_LOGITS + "; the embeddings' LayerNorm over the sum of word, position and "
-                           "token-type embeddings (the near miss calls that sum a parallel residual)"),
+                           "token-type embeddings (left to Inductor, as a parallel block's: the near miss names the sum)"),
     "distilbert": Family("DistilBertConfig", ENCODER_LAYER, {}, dict(hidden_dim=256, dropout=0.0, attention_dropout=0.0),
                          drop=("num_key_value_heads", "head_dim"), model_class="AutoModelForMaskedLM",
                          gaps=RETURNED_LOGITS),

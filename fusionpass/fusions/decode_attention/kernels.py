@@ -73,7 +73,7 @@ from fusionpass.kernels.attention import check_qkv
 # _LOG2E from the attention blocks, not a copy: Inductor emits one value per global name for a
 # kernel and the helpers it calls, so two definitions could disagree on the GPU only
 from fusionpass.kernels.attention.blocks import _LOG2E, _load_kv, _mm_operand
-from fusionpass.kernels.attention.forward import _softmax_step
+from fusionpass.kernels.attention.blocks import _softmax_step
 from fusionpass.kernels.common import (
     _cuda_props,
     _device_guard,

@@ -10,8 +10,10 @@ EMPTY_LSE). How:
 - per row b, on the device: n_b = key_padding[b].sum(), and whether key_padding[b] is exactly
   n_b leading ones with n_b > 0 (right padding, all ones: a "prefix row");
 - cuDNN (fusionpass.kernels.cudnn_attention) computes every row with key lengths n_b for prefix
-  rows and L for the others (whose result is not used; no row of length 0 reaches cuDNN, which
-  returns NaN there before 9.25);
+  rows and 1 for the others: their result is not used, and over one key cuDNN's work on them is
+  nearly nothing (at length L a left-padded batch cost cuDNN's whole time before our kernel's,
+  benchmarks/results/kernel/collator_attention_routes.md). No row of length 0 reaches cuDNN, which
+  returns NaN there before 9.25; under its top-left causal alignment every query sees key 0;
 - our kernel computes the other rows (left padding, holes, empty rows) with the key padding,
   writing them into cuDNN's out and lse (in the backward its dq, dk and dv); its programs of
   prefix rows return before reading or writing anything (`skip_batches`), so a batch of prefix
@@ -49,9 +51,9 @@ def prefix_rows(key_padding: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _lengths(key_padding: Tensor):
-    """(cuDNN's key lengths, prefix): cuDNN takes L for the rows it does not serve."""
+    """(cuDNN's key lengths, prefix): cuDNN takes one key for the rows it does not serve."""
     n, prefix = prefix_rows(key_padding)
-    return torch.where(prefix, n, torch.full_like(n, key_padding.shape[-1])), prefix
+    return torch.where(prefix, n, torch.ones_like(n)), prefix
 
 
 # cuDNN's refusals, by (direction, shape, dtype): where it builds no plan (a head dim or a GQA

@@ -316,14 +316,26 @@ def intermediates_private(m: Match, cfg) -> str | None:
     return None
 
 
+def _sums_embeddings(node, depth: int = 3) -> bool:
+    """Whether a term of the sum `node` (through nested sums) is an embedding lookup: the
+    embeddings' LayerNorm of BERT-likes (word + token type + position), not a residual block."""
+    if not isinstance(node, fx.Node) or depth == 0:
+        return False
+    if node.op == "call_function" and node.target is F.embedding:
+        return True
+    pair = g.same_shape_add_operands(node) if _is_private_sum(node) else None
+    return bool(pair) and any(_sums_embeddings(t, depth - 1) for t in pair)
+
+
 def not_parallel_residual(m: Match, cfg) -> str | None:
-    if m.bindings["inner_sum"]:
-        return (
-            f"{m.bindings['x'].name} is a sum of two branches added to the residual (parallel "
-            "attention + MLP): fusing would write that sum to memory for the kernel to read back, "
-            "where Inductor fuses the whole sum into its own norm"
-        )
-    return None
+    x = m.bindings["x"]
+    if not m.bindings["inner_sum"]:
+        return None
+    what = ("a sum of embeddings (word, token type, position)" if _sums_embeddings(x) or
+            _sums_embeddings(m.bindings["residual"]) else
+            "a sum of two branches added to the residual (parallel attention + MLP)")
+    return (f"{x.name} is {what}: fusing would write that sum to memory for the kernel to read back, "
+            "where Inductor fuses the whole sum into its own norm")
 
 
 # ---------------------------------------------------------------------------------------------

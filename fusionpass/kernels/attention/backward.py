@@ -13,9 +13,9 @@ from fusionpass.kernels.attention.blocks import (
     _EMPTY,
     _kept,
     _key_bias,
+    _key_steps,
     _key_ranges,
     _load,
-    _masked_scores,
     _LOG2E,
     _mm_operand,
     _NO_SPEC,
@@ -213,30 +213,6 @@ def _bwd_dkdv_kernel(
              _for_store(dv, GRAD_DT, INTERP), mask=kv_mask)
 
 
-@triton.jit
-def _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
-              start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_scale,
-              drop_rows, k0, k1, o0, o1, thr, seg_base, seg_q,
-              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
-              HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
-              SOFTCAP: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DT: tl.constexpr,
-              INTERP: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    for n0 in range(start, end, BLOCK_N):
-        cols = n0 + offs_n
-        s, t_cap, k, v = _masked_scores(
-            q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, cols, pos, offs_d, d_ok, kv_end,
-            window, qk_scale, cap2, slope2, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
-            HAS_SEG, SOFTCAP, MASKED, EVEN_D, INTERP, PREC, True)
-        p = tl.math.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        if DROPOUT:
-            keep = keep_mask16(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
-            dp = tl.where(keep, dp * drop_scale, 0.0)
-        ds = _capped_ds(p * (dp - delta[:, None]), t_cap, SOFTCAP)
-        dq += tl.dot(_mm_operand(ds, DT, INTERP), k, input_precision=PREC)
-    return dq
-
-
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, QEND, DQ, SLOPES, KPM, KB, KVLEN, SEED, SEG, SEG_LO, SEG_HI,
@@ -286,21 +262,21 @@ def _bwd_dq_kernel(
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.minimum(full_hi, hi)
     if WINDOWED:
-        dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
-                   lo, full_lo,
-                       pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_scale, drop_rows,
-                       k0, k1, o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
-                       HAS_SEG, DROPOUT, SOFTCAP, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
-    dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
-                   full_lo, full_hi,
-                   pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_scale, drop_rows,
-                   k0, k1, o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
-                   HAS_SEG, DROPOUT, SOFTCAP, False, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
-    dq = _dq_steps(dq, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
-                   full_hi, hi,
-                   pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_scale, drop_rows,
-                   k0, k1, o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
-                   HAS_SEG, DROPOUT, SOFTCAP, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N)
+        dq, _l, _m = _key_steps(
+            dq, lse2, lse2, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
+            lo, full_lo, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_scale, drop_rows,
+            k0, k1, o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG,
+            DROPOUT, SOFTCAP, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N, True)
+    dq, _l, _m = _key_steps(
+        dq, lse2, lse2, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
+        full_lo, full_hi, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_scale, drop_rows,
+        k0, k1, o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG,
+        DROPOUT, SOFTCAP, False, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N, True)
+    dq, _l, _m = _key_steps(
+        dq, lse2, lse2, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
+        full_hi, hi, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_scale, drop_rows,
+        k0, k1, o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG,
+        DROPOUT, SOFTCAP, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N, True)
     dq = dq * sm_scale
     GRAD_DT: tl.constexpr = DQ.dtype.element_ty
     tl.store(DQ + b64 * sdqb + h64 * sdqh + offs_m[:, None] * sdqm + offs_d[None, :] * sdqd,

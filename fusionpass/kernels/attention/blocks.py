@@ -9,6 +9,7 @@ import triton.language as tl
 
 from fusionpass.kernels.common import _round
 from fusionpass.kernels.rng import RNG_ARGS as _RNG_ARGS
+from fusionpass.kernels.rng import keep_mask16
 from fusionpass.kernels.tanh import tanh
 
 # lse of a query row that sees no key (see fusionpass.kernels.attention's docstring).
@@ -308,3 +309,60 @@ def _masked_scores(q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn
                 kb[None, :] if HAS_KB else None, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM or HAS_SEG, HAS_KB,
                 MASKED)
     return s, t_cap, k, v
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i, GUARD: tl.constexpr):
+    """One online-softmax step over base-2 scores s [M, N] (invisible entries at -inf), for the
+    running row maxima m_i and sums l_i: (p, alpha, l_i, m_new) with p = exp2(s - m_new) unnormalized
+    and alpha the factor that rescales what was accumulated before. GUARD: rows may have seen no
+    key yet (m_new = -inf): exp2(-inf - 0) = 0 there instead of exp2(-inf + inf) = NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if GUARD:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def _key_steps(acc, l_i, m_i, q, do, lse2, delta, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
+               start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_scale,
+               drop_rows, k0, k1, o0, o1, thr, seg_base, seg_q,
+               CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
+               HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+               SOFTCAP: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DT: tl.constexpr,
+               INTERP: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               DQ: tl.constexpr):
+    """A query block's loop over the key blocks start..end (MASKED: a block may hold invisible
+    entries). The forward: the online softmax of the scores into acc (unnormalized out), the row
+    sums l_i and maxima m_i. DQ: dS from the forward's lse2 and delta and the block's dP, summed
+    into acc as dq; l_i and m_i pass through, and `do`, `lse2`, `delta` and `drop_scale` are read
+    only there (the forward passes placeholders)."""
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + offs_n
+        s, t_cap, k, v = _masked_scores(
+            q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, cols, pos, offs_d, d_ok, kv_end,
+            window, qk_scale, cap2, slope2, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
+            HAS_SEG, SOFTCAP, MASKED, EVEN_D, INTERP, PREC, DQ)
+        if DQ:
+            p = tl.math.exp2(s - lse2[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            if DROPOUT:
+                keep = keep_mask16(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
+                dp = tl.where(keep, dp * drop_scale, 0.0)
+            ds = _capped_ds(p * (dp - delta[:, None]), t_cap, SOFTCAP)
+            acc += tl.dot(_mm_operand(ds, DT, INTERP), k, input_precision=PREC)
+        else:
+            # (a row may see nothing in a block of other sequences' keys)
+            p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASKED or HAS_KPM or HAS_SEG)
+            if DROPOUT:
+                keep = keep_mask16(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
+                p = tl.where(keep, p, 0.0)
+            v = _load_kv(v_base + cols[:, None] * svn + offs_d[None, :] * svd, cols, kv_end, d_ok, MASKED, EVEN_D,
+                         INTERP)
+            acc = acc * alpha[:, None] + tl.dot(_mm_operand(p, DT, INTERP), v, input_precision=PREC)
+            m_i = m_new
+    return acc, l_i, m_i

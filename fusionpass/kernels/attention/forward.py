@@ -13,8 +13,7 @@ from fusionpass.kernels.attention.blocks import (
     _LN2,
     _LOG2E,
     _load,
-    _load_kv,
-    _masked_scores,
+    _key_steps,
     _mm_operand,
     _NO_SPEC,
     _query_block,
@@ -23,49 +22,8 @@ from fusionpass.kernels.attention.blocks import (
     _valid_keys,
 )
 from fusionpass.kernels.common import _for_store
-from fusionpass.kernels.rng import keep_mask16, rng_key
+from fusionpass.kernels.rng import rng_key
 from fusionpass.kernels.rope import _pair_tiles, _rotate_pairs
-
-
-@triton.jit
-def _softmax_step(s, m_i, l_i, GUARD: tl.constexpr):
-    """One online-softmax step over base-2 scores s [M, N] (invisible entries at -inf), for the
-    running row maxima m_i and sums l_i: (p, alpha, l_i, m_new) with p = exp2(s - m_new) unnormalized
-    and alpha the factor that rescales what was accumulated before. GUARD: rows may have seen no
-    key yet (m_new = -inf): exp2(-inf - 0) = 0 there instead of exp2(-inf + inf) = NaN."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if GUARD:
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    p = tl.math.exp2(s - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
-
-
-@triton.jit
-def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
-               start, end, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2,
-               drop_rows, k0, k1, o0, o1, thr, seg_base, seg_q,
-               CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SYM: tl.constexpr,
-               HAS_KPM: tl.constexpr, HAS_KB: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
-               SOFTCAP: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DT: tl.constexpr,
-               INTERP: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    for n0 in range(start, end, BLOCK_N):
-        cols = n0 + offs_n
-        s, _t, _k, _v = _masked_scores(
-            q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, cols, pos, offs_d, d_ok, kv_end,
-            window, qk_scale, cap2, slope2, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB,
-            HAS_SEG, SOFTCAP, MASKED, EVEN_D, INTERP, PREC, False)
-        # (a row may see nothing in a block of other sequences' keys)
-        p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, MASKED or HAS_KPM or HAS_SEG)
-        if DROPOUT:
-            keep = keep_mask16(k0, k1, o0, o1, thr, drop_rows, n0, BLOCK_M, BLOCK_N)
-            p = tl.where(keep, p, 0.0)
-        v = _load_kv(v_base + cols[:, None] * svn + offs_d[None, :] * svd, cols, kv_end, d_ok, MASKED, EVEN_D, INTERP)
-        acc = acc * alpha[:, None] + tl.dot(_mm_operand(p, DT, INTERP), v, input_precision=PREC)
-        m_i = m_new
-    return acc, l_i, m_i
 
 
 @triton.jit
@@ -165,21 +123,21 @@ def _fwd_kernel(
     lo, full_lo, full_hi, hi = _key_ranges(m0, row_end, shift, kv_end, window, seg_lo, CAUSAL, WINDOWED, HAS_SEG,
                                            BLOCK_N)
     if WINDOWED:
-        acc, l_i, m_i = _fwd_steps(
-            acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, lo, full_lo, pos, offs_n,
-            offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_rows, k0, k1, o0, o1, t, seg_base, seg_q,
-            CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT, SOFTCAP, True, EVEN_D, DT, INTERP,
-            PREC, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, full_lo, full_hi, pos, offs_n,
-        offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_rows, k0, k1, o0, o1, t, seg_base, seg_q,
-        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT, SOFTCAP, False, EVEN_D, DT, INTERP,
-        PREC, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn, full_hi, hi, pos, offs_n,
-        offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, drop_rows, k0, k1, o0, o1, t, seg_base, seg_q,
-        CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT, SOFTCAP, True, EVEN_D, DT, INTERP,
-        PREC, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _key_steps(
+            acc, l_i, m_i, q, q, l_i, l_i, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
+            lo, full_lo, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, 1.0, drop_rows, k0, k1,
+            o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT,
+            SOFTCAP, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N, False)
+    acc, l_i, m_i = _key_steps(
+        acc, l_i, m_i, q, q, l_i, l_i, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
+        full_lo, full_hi, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, 1.0, drop_rows, k0, k1,
+        o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT,
+        SOFTCAP, False, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N, False)
+    acc, l_i, m_i = _key_steps(
+        acc, l_i, m_i, q, q, l_i, l_i, k_base, v_base, kp_base, kb_base, skn, skd, svn, svd, skpn, skbn,
+        full_hi, hi, pos, offs_n, offs_d, d_ok, kv_end, window, qk_scale, cap2, slope2, 1.0, drop_rows, k0, k1,
+        o0, o1, t, seg_base, seg_q, CAUSAL, WINDOWED, ALIBI, ALIBI_SYM, HAS_KPM, HAS_KB, HAS_SEG, DROPOUT,
+        SOFTCAP, True, EVEN_D, DT, INTERP, PREC, BLOCK_M, BLOCK_N, False)
 
     if HAS_SINKS:
         # a logit per head that joins every row's softmax denominator and brings no value
