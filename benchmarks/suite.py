@@ -43,7 +43,7 @@ import fusionpass.fusions
 from fusionpass.bench import (environment, first_call_seconds, inference_step, peak_memory, time_interleaved,
                               training_step, warm_up_compiler)
 from fusionpass.bench_cases import BF16, Case, on_device
-from fusionpass.causal_lm import LossOnly, why_not_standard
+from fusionpass.causal_lm import loss_only_where_standard, why_not_standard
 from fusionpass.passes import STATISTICS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -538,7 +538,7 @@ def measure(run: Run, order: int, case_name, module, inputs, kwargs, train, fusi
     routed = None if not trainer_loss else why_not_standard(module) or "loss_only"
 
     def fused_copy():
-        return LossOnly(copy.deepcopy(module)) if routed == "loss_only" else copy.deepcopy(module)
+        return loss_only_where_standard(copy.deepcopy(module)) if trainer_loss else copy.deepcopy(module)
 
     copies = {"plain": module}
     copies["fusionpass"] = fused_copy()

@@ -84,3 +84,9 @@ class LossOnly(torch.nn.Module):
 def loss_only(model: torch.nn.Module) -> LossOnly:
     """Wrap a transformers causal LM so its output holds the loss and no logits (see the module)."""
     return LossOnly(model)
+
+
+def loss_only_where_standard(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` as install()'s Trainer calls it: through LossOnly where its forward is the standard
+    causal-LM one, else unchanged (it returns its logits)."""
+    return LossOnly(model) if why_not_standard(model) is None else model

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fusionpass.causal_lm import LossOnly, why_not_standard
+from fusionpass.causal_lm import loss_only_where_standard
 
 TRAIN_ONLY, INFER_ONLY = (1, 0), (0, 1)
 
@@ -64,7 +64,7 @@ class TrainerLM(nn.Module):
     def __init__(self, model, autocast: bool = True):
         super().__init__()
         self.autocast = autocast
-        self.model = LossOnly(model) if why_not_standard(model) is None else model
+        self.model = loss_only_where_standard(model)
 
     def forward(self, input_ids, labels):
         return self._step(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=labels)
