@@ -95,7 +95,7 @@ def test_rerun_failed_refuses_a_result_of_other_code(monkeypatch, tmp_path):
 def test_workers_stop_claiming_cases_at_the_deadline(tmp_path):
     args = runner.argparse.Namespace(only=["rms_norm_residual"], device="cpu", timings=str(tmp_path / "none.json"),
                                      claims=str(tmp_path), deadline=time.time() - 1, worker=0,
-                                     out=str(tmp_path / "part.json"))
+                                     out=str(tmp_path / "part.json"), reuse_plain=None)
     assert runner._worker(args) == 0
     assert not list(tmp_path.glob("case*"))
 

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from fusionpass import fusions
+from fusionpass.conformance import plain_side
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Below these relative errors a difference is rounding whatever plain compile's error is (about
@@ -198,9 +199,13 @@ def _compare(run: _Run, ref: _Run) -> dict[str, float]:
     return errs
 
 
-def run_case(case: Case, device: str, plain: bool = True) -> dict:
+def run_case(case: Case, device: str, plain: bool = True, known_plain: dict | None = None) -> dict:
     """Run one case; a JSON-able result (pass, reason, errors, matches). Whatever raises is a
     failed case, reported with its message.
+
+    The result holds `plain_key` (fusionpass.conformance.plain_side). Where `known_plain` (plain
+    compile's errors by key, from earlier results) has this case's key, those errors stand for plain
+    compile's and it is not compiled again; the result says so (`plain_reused`).
 
     `plain=False` leaves plain compile's side out, for a case with an eager baseline: fusionpass
     is then held to float64 within twice eager's error (or the floor), and not also allowed twice
@@ -209,7 +214,7 @@ def run_case(case: Case, device: str, plain: bool = True) -> dict:
     if not plain and not case.eager_baseline:
         raise ValueError(f"{case.name}: without plain compile a case needs its eager baseline")
     try:
-        return _run_case(case, device, plain)
+        return _run_case(case, device, plain, known_plain or {})
     except Exception as e:  # noqa: BLE001
         return {**_header(case), "passed": False,
                 "reason": f"raised {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
@@ -223,7 +228,7 @@ def _header(case: Case) -> dict:
             **({"near_miss": case.near_miss} if case.near_miss is not None else {})}
 
 
-def _run_case(case: Case, device: str, with_plain: bool) -> dict:
+def _run_case(case: Case, device: str, with_plain: bool, known_plain: dict) -> dict:
     import fusionpass
     from fusionpass.passes import STATISTICS
     from torch._functorch import config as functorch_config
@@ -253,9 +258,11 @@ def _run_case(case: Case, device: str, with_plain: bool) -> dict:
                         case.differentiated_outputs)
 
     result = _header(case)
+    plain_key = plain_side.key(case, module, inputs, cotangents, device) if with_plain else None
+    reused = known_plain.get(plain_key)
     seconds = {"setup": lap()}
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        if with_plain:
+        if with_plain and reused is None:
             plain = _execute(_compiled(copy.deepcopy(module), "inductor", bool(case.dynamic_dims)), inputs, case.train,
                              cotangents, differentiated=case.differentiated_outputs, dynamic_dims=case.dynamic_dims)
             seconds["plain"] = lap()
@@ -271,7 +278,7 @@ def _run_case(case: Case, device: str, with_plain: bool) -> dict:
             torch.cuda.synchronize()
         seconds["fusionpass"] = lap()
 
-    plain_errs = _compare(plain, reference(plain)) if with_plain else {}
+    plain_errs = reused if reused is not None else _compare(plain, reference(plain)) if with_plain else {}
     fused_errs = _compare(fused, reference(fused))
     eager_errs = {}
     if case.eager_baseline:
@@ -305,7 +312,8 @@ def _run_case(case: Case, device: str, with_plain: bool) -> dict:
     result.update(
         passed=not reasons, reason="; ".join(reasons),
         matches=matches, variants=fused.variants, searches=fused.searches, near_misses=near_misses,
-        phase_seconds=seconds,
+        phase_seconds=seconds, **({"plain_key": plain_key} if plain_key else {}),
+        **({"plain_reused": True} if reused is not None else {}),
         worst={"tensor": worst[0], "fusionpass": worst[1], "plain": worst[2]} if worst else None,
         errors={"fusionpass": fused_errs, "plain": plain_errs, **({"eager": eager_errs} if eager_errs else {})},
     )

@@ -11,7 +11,8 @@ a case that failed for want of GPU resources (RESOURCE_ERRORS) runs again once t
 done, in a pool of a quarter as many workers. `--budget` stops claiming cases after that many
 seconds and writes the result all the same, its unrun cases failed as "not run"; `--rerun-failed`
 then runs only those, so a run split over several calls of a time-limited machine still ends in
-one result file of one source digest.
+one result file of one source digest. `--reuse-plain` takes plain compile's errors from earlier
+result files wherever a case's plain side is unchanged (fusionpass.conformance.plain_side).
 """
 from __future__ import annotations
 
@@ -81,8 +82,9 @@ def _worker(args) -> int:
 
     _nan_fill()
     warnings.filterwarnings("ignore")
-    from fusionpass.conformance import run_case
+    from fusionpass.conformance import plain_side, run_case
 
+    known_plain = plain_side.known_errors(args.reuse_plain or [])
     results = []
     for index, case in enumerate(_longest_first(_selected(args.only, args.device), args.timings)):
         if args.deadline is not None and time.time() > args.deadline:
@@ -92,7 +94,7 @@ def _worker(args) -> int:
         t0 = time.perf_counter()
         if args.device == "cpu":
             case = dataclasses.replace(case, config={**case.config, "cpu": True})
-        r = run_case(case, args.device)
+        r = run_case(case, args.device, known_plain=known_plain)
         r["seconds"] = round(time.perf_counter() - t0, 2)
         results.append(r)
         print(f"[{args.worker}] {'PASS' if r['passed'] else 'FAIL'} {r['name']} {r.get('reason', '')}", flush=True)
@@ -182,6 +184,7 @@ def _pool(args, only: list[str] | None, jobs: int, tmp: str, tag: str) -> tuple[
         cmd = [sys.executable, "-m", "fusionpass.conformance", "--worker", str(i), "--claims", claims,
                "--timings", args.timings, "--device", args.device, "--out", part]
         cmd += (["--deadline", str(args.deadline)] if args.deadline is not None else []) + (["--only", *only] if only else [])
+        cmd += ["--reuse-plain", *args.reuse_plain] if args.reuse_plain else []
         procs.append(subprocess.Popen(cmd, env=env))
     codes = [proc.wait() for proc in procs]
     results = []
@@ -204,6 +207,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help="claim no case after this many seconds; the result lists the rest as not run "
                         "(leave the longest case's time to spare under a time limit)")
+    p.add_argument("--reuse-plain", metavar="RESULT", nargs="+", default=None,
+                   help="take plain compile's errors from these result files (any source digest) for every "
+                        "case whose plain side is unchanged (same graphs, values, versions and GPU) instead "
+                        "of compiling it again")
     p.add_argument("--parts-dir", default=None, help="keep each worker's results here (default: a temporary folder)")
     p.add_argument("--timings", default=DEFAULT_OUT,
                    help="a result file whose per-case seconds order the run (default: the committed one)")
@@ -253,6 +260,7 @@ def main(argv=None) -> int:
     results.sort(key=lambda r: r["name"])
     report = {**environment(args.device), "command": " ".join(["fusionpass check", *(argv or sys.argv[1:])]),
               "seconds": round(time.perf_counter() - t0, 1), "rerun_after_resource_errors": retry,
+              "plain_reused": sum(bool(r.get("plain_reused")) for r in results),
               "summary": summary(results), "cases": results}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
