@@ -1,13 +1,15 @@
 """Plain compile's side of a conformance case, told apart from fusionpass's, so that a run may take
 its errors from an earlier run instead of compiling it again (`fusionpass check --reuse-plain`).
 
-Plain torch.compile's errors on a case depend on what it compiles and runs, never on fusionpass's
-source: the graphs Dynamo captures from the case's module, the values of its parameters, inputs
-and cotangents, the case's settings, this runner, and the versions and GPU that compile and run it.
-`key` hashes exactly those. Where an earlier result holds a case of the same key, its plain errors
-are what compiling plain again would measure (up to the nondeterminism of a few kernels, which the
-2x margin over plain already absorbs); everywhere else plain compile runs as always. Plain compile is a large share of a case's time
-(`phase_seconds` in the result files), and a change to fusionpass alone leaves every key as it was.
+Plain torch.compile's errors on a case depend on what it compiles and runs: the graphs Dynamo
+captures from the case's module, the values of its parameters, inputs and cotangents, the case's
+settings, this runner, and the versions and GPU that compile and run it. `key` hashes exactly
+those. Where an earlier result holds a case of the same key, its plain errors are what compiling
+plain again would measure (up to the nondeterminism of a few kernels, which the 2x margin over
+plain already absorbs); everywhere else plain compile runs as always. Plain compile is a large
+share of a case's time (`phase_seconds` in the result files). A change to fusionpass's passes, ops
+or kernels leaves every key as it was; one to code that a case's module runs (loss_only, say)
+changes that case's graphs, and so its key.
 """
 from __future__ import annotations
 
