@@ -257,8 +257,14 @@ def _run_case(case: Case, device: str, with_plain: bool, known_plain: dict) -> d
         return _execute(copy.deepcopy(ref_module), ref_inputs, case.train, cotangents, kwargs,
                         case.differentiated_outputs)
 
+    # without reference_kwargs the reference is one function of the case's values: made once
+    fixed = reference(None) if case.reference_kwargs is None else None
+
+    def reference_of(run: _Run) -> _Run:
+        return fixed if fixed is not None else reference(run)
+
     result = _header(case)
-    plain_key = plain_side.key(case, module, inputs, cotangents, device) if with_plain else None
+    plain_key = plain_side.key(case, module, inputs, cotangents, fixed, device) if with_plain and fixed is not None else None
     reused = known_plain.get(plain_key)
     seconds = {"setup": lap()}
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
@@ -278,13 +284,13 @@ def _run_case(case: Case, device: str, with_plain: bool, known_plain: dict) -> d
             torch.cuda.synchronize()
         seconds["fusionpass"] = lap()
 
-    plain_errs = reused if reused is not None else _compare(plain, reference(plain)) if with_plain else {}
-    fused_errs = _compare(fused, reference(fused))
+    plain_errs = reused if reused is not None else _compare(plain, reference_of(plain)) if with_plain else {}
+    fused_errs = _compare(fused, reference_of(fused))
     eager_errs = {}
     if case.eager_baseline:
         eager = _execute(copy.deepcopy(module), inputs, case.train, cotangents,
                          differentiated=case.differentiated_outputs)
-        eager_errs = _compare(eager, reference(eager))
+        eager_errs = _compare(eager, reference_of(eager))
     seconds["references"] = lap()
     floor = case.floor if case.floor is not None else FLOOR[case.dtype]
     worst, reasons = None, []

@@ -222,6 +222,13 @@ def main(argv=None) -> int:
         return _worker(args)
 
     t0 = time.perf_counter()
+    if args.reuse_plain:
+        from fusionpass.conformance import plain_side
+
+        try:  # a file that cannot be read stops the run here, not in every worker
+            plain_side.known_errors(args.reuse_plain)
+        except ValueError as e:
+            raise SystemExit(str(e)) from e
     if args.deadline is None and args.budget is not None:
         args.deadline = time.time() + args.budget
     kept, selected = [], [c.name for c in _selected(args.only, args.device)]
@@ -249,6 +256,7 @@ def main(argv=None) -> int:
             again, more_codes = _pool(args, retry, retry_jobs, tmp, "retry-")
             results = [r for r in results if r["name"] not in set(retry)] + again
             codes += more_codes
+    reused = sum(bool(r.get("plain_reused")) for r in results)  # of the cases run now, not those kept
     results.extend(kept)
     ran = {r["name"] for r in results}
     missing = [name for name in selected if name not in ran]
@@ -260,7 +268,7 @@ def main(argv=None) -> int:
     results.sort(key=lambda r: r["name"])
     report = {**environment(args.device), "command": " ".join(["fusionpass check", *(argv or sys.argv[1:])]),
               "seconds": round(time.perf_counter() - t0, 1), "rerun_after_resource_errors": retry,
-              "plain_reused": sum(bool(r.get("plain_reused")) for r in results),
+              "plain_reused": reused,
               "summary": summary(results), "cases": results}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
