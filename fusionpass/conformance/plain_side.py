@@ -23,8 +23,10 @@ import torch
 
 # The runner's own sources: how a case is run and compared (NaN fill, cotangents, error measure).
 _RUNNER = ("__init__.py", "__main__.py", "plain_side.py")
-# Environment variables that change what torch compiles or how it computes.
+# Environment variables that change what torch compiles or how it computes (not where it keeps files:
+# a cache folder may differ from run to run).
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_", "TRITON_", "NVIDIA_TF32", "CUBLAS_", "CUDNN_")
+_ENV_PLACES = ("CACHE", "DIR", "HOME", "PATH")
 # Same-size integer views of each dtype's bits: the fingerprint sums bits, exactly.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -45,7 +47,8 @@ def _environment(device: str) -> list:
     # the numerics settings of this process and the compilers' configuration
     env += [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision(),
             torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory,
-            sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)),
+            sorted((k, v) for k, v in os.environ.items()
+                   if k.startswith(_ENV_PREFIXES) and not any(p in k for p in _ENV_PLACES)),
             sorted((k, repr(v)) for k, v in inductor_config.get_config_copy().items())]
     folder = pathlib.Path(__file__).parent
     env += [hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in _RUNNER]
