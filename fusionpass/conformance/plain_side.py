@@ -1,10 +1,11 @@
 """Plain compile's side of a conformance case, told apart from fusionpass's, so that a run may take
 its errors from an earlier run instead of compiling it again (`fusionpass check --reuse-plain`).
 
-Plain torch.compile's errors on a case depend on what it compiles and runs: the graphs Dynamo
-captures from the case's module, the values of its parameters, inputs and cotangents, the case's
-settings, this runner, and the versions and GPU that compile and run it. `key` hashes exactly
-those. Where an earlier result holds a case of the same key, its plain errors are what compiling
+Plain torch.compile's errors on a case depend on what it compiles and runs and on what they are
+measured against: the graphs Dynamo captures from the case's module with the values of every graph
+input, the case's inputs and cotangents, its float64 reference's outputs and gradients, its
+settings, this runner, the process's numerics settings and Inductor's config, and the versions and
+GPU that compile and run it. `key` hashes exactly those. Where an earlier result holds a case of the same key, its plain errors are what compiling
 plain again would measure (up to the nondeterminism of a few kernels, which the 2x margin over
 plain already absorbs); everywhere else plain compile runs as always. Plain compile is a large
 share of a case's time (`phase_seconds` in the result files). A change to fusionpass's passes, ops
