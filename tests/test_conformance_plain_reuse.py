@@ -1,5 +1,6 @@
 """fusionpass.conformance.plain_side: a case's plain-compile errors are taken from an earlier result
 only where everything plain compile sees is the same (graphs, values, settings, versions)."""
+import copy
 import dataclasses
 import json
 
@@ -31,13 +32,20 @@ class _Doubled(torch.nn.Module):
 REFERENCE = conformance._Run([torch.ones(2, dtype=torch.float64)], {"w": None})
 
 
-def _key(case, shift=0.0, module_change=None):
+def _key(case, shift=0.0):
+    """The case's key as the runner computes it (cotangents of ones, its path for a compiled side)."""
     torch.manual_seed(0)
     module, inputs = case.make(case.dtype, "cpu")
-    if module_change:
-        module_change(module)
     inputs = (inputs[0] + shift, *inputs[1:])
-    return plain_side.key(case, module, inputs, [torch.ones(2)], REFERENCE, "cpu")
+    with torch.no_grad():
+        cotangents = [torch.ones_like(o) for o in conformance._flatten(module(*inputs))]
+
+    def run_with(backend):
+        return conformance._execute(conformance._compiled(copy.deepcopy(module), backend, bool(case.dynamic_dims)),
+                                    inputs, case.train, cotangents, differentiated=case.differentiated_outputs,
+                                    dynamic_dims=case.dynamic_dims)
+
+    return plain_side.key(case, inputs, cotangents, REFERENCE, "cpu", run_with)
 
 
 def test_the_key_is_the_same_for_the_same_case_and_changes_with_what_plain_sees():

@@ -263,19 +263,22 @@ def _run_case(case: Case, device: str, with_plain: bool, known_plain: dict) -> d
     def reference_of(run: _Run) -> _Run:
         return fixed if fixed is not None else reference(run)
 
+    def run_with(backend) -> _Run:  # one compiled side: a copy of the module under `backend`
+        return _execute(_compiled(copy.deepcopy(module), backend, bool(case.dynamic_dims)), inputs, case.train,
+                        cotangents, differentiated=case.differentiated_outputs, dynamic_dims=case.dynamic_dims)
+
     result = _header(case)
-    plain_key = plain_side.key(case, module, inputs, cotangents, fixed, device) if with_plain and fixed is not None else None
+    plain_key = (plain_side.key(case, inputs, cotangents, fixed, device, run_with)
+                 if with_plain and fixed is not None else None)
     reused = known_plain.get(plain_key)
     seconds = {"setup": lap()}
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         if with_plain and reused is None:
-            plain = _execute(_compiled(copy.deepcopy(module), "inductor", bool(case.dynamic_dims)), inputs, case.train,
-                             cotangents, differentiated=case.differentiated_outputs, dynamic_dims=case.dynamic_dims)
+            plain = run_with("inductor")
             seconds["plain"] = lap()
         fusionpass.reset_stats()
         backend = fusionpass.backend(**case.config)
-        fused = _execute(_compiled(copy.deepcopy(module), backend, bool(case.dynamic_dims)), inputs, case.train, cotangents,
-                         differentiated=case.differentiated_outputs, dynamic_dims=case.dynamic_dims)
+        fused = run_with(backend)
         fused.matches = fusionpass.stats()
         fused.variants = {f"{f}/{v}": n for (f, v), n in fusionpass.stats(variants=True).items()}
         fused.searches = {f"{f}/{v}": n for (f, v), n in STATISTICS.searches.items()}

@@ -14,7 +14,6 @@ changes that case's graphs, and so its key.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -67,10 +66,10 @@ def _fingerprint(t: torch.Tensor) -> list:
             int(bits.sum()), int((bits * weights).sum())]
 
 
-def _graphs(module, inputs, train: bool, dynamic_dims) -> list[list]:
-    """The code of every graph Dynamo captures from one forward of a copy of `module` (its graph
-    breaks included), as the runner's compiled sides see it, with the fingerprint of every graph
-    input: parameters, buffers and tensors the module keeps are graph inputs too."""
+def _graphs(run_with) -> list[list]:
+    """The code of every graph Dynamo captures from the case's module (its graph breaks included),
+    through the runner's own path for a compiled side (`run_with(backend)`), with the fingerprint of
+    every graph input: parameters, buffers and tensors the module keeps are graph inputs too."""
     captured = []
 
     def record(gm, example_inputs):
@@ -78,34 +77,23 @@ def _graphs(module, inputs, train: bool, dynamic_dims) -> list[list]:
                                    for v in example_inputs]])
         return gm.forward
 
-    ins = []
-    for t in inputs:
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            t = t.detach().clone().requires_grad_(train)
-        for dim in dynamic_dims:
-            if isinstance(t, torch.Tensor) and dim < t.dim() and t.shape[dim] > 1:
-                torch._dynamo.mark_dynamic(t, dim)
-        ins.append(t)
-    torch._dynamo.reset()
-    compiled = torch.compile(copy.deepcopy(module), backend=record, dynamic=None if dynamic_dims else False)
-    with torch.set_grad_enabled(train):
-        compiled(*ins)
+    run_with(record)
     torch._dynamo.reset()
     return captured
 
 
-def key(case, module, inputs, cotangents, reference, device: str) -> str | None:
+def key(case, inputs, cotangents, reference, device: str, run_with) -> str | None:
     """What plain compile's errors on `case` depend on, as a sha256 hex digest, given the float64
-    reference they are measured against (`reference`: its outputs and gradients). None where that
+    reference they are measured against (`reference`: its outputs and gradients) and the runner's
+    path for a compiled side (`run_with(backend)`, run here once with a backend that records). None where that
     cannot be told (plain compile then runs as always): a case whose reference is made from the
     judged run's outputs (`reference_kwargs`, dropout), or graphs that cannot be captured apart from
-    the compiled sides. The capture runs the module once; the random number generators are put
-    back afterwards."""
+    the compiled sides. The random number generators are put back after the capture."""
     if case.reference_kwargs is not None:
         return None
     try:
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
-            graphs = _graphs(module, inputs, case.train, case.dynamic_dims)
+            graphs = _graphs(run_with)
         values = [_fingerprint(t) if isinstance(t, torch.Tensor) else repr(t) for t in inputs]
         values += [_fingerprint(t) for t in cotangents]
         values += [_fingerprint(t) for t in reference.outputs]
