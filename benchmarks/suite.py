@@ -834,9 +834,10 @@ def families_summary(rows) -> list[str]:
         lines.append(f"Training, {dtype}: {len(ratios)} families, median plain / fusionpass "
                      f"{statistics.median(ratios):.3f}x, lowest {min(ratios):.3f}x; below 1.00x: "
                      + (", ".join(f"{n} {x:.3f}x" for n, x in below) or "none") + ".")
-    if not any("trainer_loss" in r for r in train):
-        lines.append("These rows were measured before the topic called each side as its Trainer does: both sides "
-                     "returned the logits, which keeps linear_cross_entropy out of the standard causal LMs too "
+    older = sorted({r["case"].split(":")[0] for r in train if "trainer_loss" not in r})
+    if older:
+        lines.append(f"Rows of {', '.join(older)} were measured before the topic called each side as its Trainer "
+                     "does: both sides returned the logits, which keeps linear_cross_entropy out of the standard causal LMs too "
                      "(its near miss says so), and the MoE families ran the census's eager expert loop, not "
                      "transformers' default.")
     return [*lines, ""]
