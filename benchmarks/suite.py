@@ -837,9 +837,9 @@ def families_summary(rows) -> list[str]:
     older = sorted({r["case"].split(":")[0] for r in train if "trainer_loss" not in r})
     if older:
         lines.append(f"Rows of {', '.join(older)} were measured before the topic called each side as its Trainer "
-                     "does: both sides returned the logits, which keeps linear_cross_entropy out of the standard causal LMs too "
-                     "(its near miss says so), and the MoE families ran the census's eager expert loop, not "
-                     "transformers' default.")
+                     "does: both sides returned the logits, which keeps linear_cross_entropy out of the standard "
+                     "causal LMs too (its near miss says so), and the MoE families ran the census's eager expert "
+                     "loop, not transformers' default.")
     return [*lines, ""]
 
 
