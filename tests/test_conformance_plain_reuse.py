@@ -1,7 +1,7 @@
 """fusionpass.conformance.plain_side: a case's plain-compile errors are taken from an earlier result
 only where everything plain compile sees is the same (graphs, values, settings, versions)."""
-import copy
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -39,12 +39,7 @@ def _key(case, shift=0.0):
     inputs = (inputs[0] + shift, *inputs[1:])
     with torch.no_grad():
         cotangents = [torch.ones_like(o) for o in conformance._flatten(module(*inputs))]
-
-    def run_with(backend):
-        return conformance._execute(conformance._compiled(copy.deepcopy(module), backend, bool(case.dynamic_dims)),
-                                    inputs, case.train, cotangents, differentiated=case.differentiated_outputs,
-                                    dynamic_dims=case.dynamic_dims)
-
+    run_with = functools.partial(conformance.run_compiled, case, module, inputs, cotangents)
     return plain_side.key(case, inputs, cotangents, REFERENCE, "cpu", run_with)
 
 

@@ -20,8 +20,6 @@ import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402
-
 import fusionpass.conformance as conformance  # noqa: E402
 from fusionpass.conformance import families  # noqa: E402
 
@@ -82,11 +80,7 @@ SPECS = {
 def case(name: str, mode: str) -> conformance.Case:
     config, model_class, overrides, drop, attention = SPECS[name]
     family = families.Family(config, {}, {}, overrides, drop, model_class=model_class, attention=attention)
-    amp = mode == "trainer-amp"
-    return conformance.Case(name=f"unnamed/{name}/{mode}", fusion="model", variant=name,
-                            make=families._make(family, amp), dtype=torch.float32 if amp else torch.bfloat16,
-                            train=True, expect={}, config=families.OPEN, eager_baseline=True,
-                            floor=conformance.FLOOR[torch.bfloat16], differentiated_outputs=1)
+    return families.family_case(f"unnamed/{name}/{mode}", name, family, mode, expect={})
 
 
 def main() -> None:

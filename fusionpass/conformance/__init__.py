@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import math
 import time
@@ -168,6 +169,13 @@ def _execute(module, inputs, train, cotangents, forward_kwargs=None, differentia
     return _Run([o.detach() for o in outs], grads)
 
 
+def run_compiled(case: Case, module, inputs, cotangents, backend) -> _Run:
+    """One compiled side of `case`: a copy of `module` under `backend`, run as the case says (the
+    runner's plain and fusionpass sides, and plain_side's graph capture)."""
+    return _execute(_compiled(copy.deepcopy(module), backend, bool(case.dynamic_dims)), inputs, case.train,
+                    cotangents, differentiated=case.differentiated_outputs, dynamic_dims=case.dynamic_dims)
+
+
 def _compiled(module, backend, marked_dynamic=False):
     torch._dynamo.reset()
     # dynamic=False would specialize the dims marked dynamic too; None honours the marks
@@ -263,9 +271,7 @@ def _run_case(case: Case, device: str, with_plain: bool, known_plain: dict) -> d
     def reference_of(run: _Run) -> _Run:
         return fixed if fixed is not None else reference(run)
 
-    def run_with(backend) -> _Run:  # one compiled side: a copy of the module under `backend`
-        return _execute(_compiled(copy.deepcopy(module), backend, bool(case.dynamic_dims)), inputs, case.train,
-                        cotangents, differentiated=case.differentiated_outputs, dynamic_dims=case.dynamic_dims)
+    run_with = functools.partial(run_compiled, case, module, inputs, cotangents)
 
     result = _header(case)
     plain_key = (plain_side.key(case, inputs, cotangents, fixed, device, run_with)

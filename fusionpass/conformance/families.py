@@ -377,10 +377,14 @@ def _make(family: Family, autocast: bool):
 def case(name: str, mode: str) -> Case:
     """The conformance case of family `name` in `mode` ("bf16": bf16 weights; "trainer-amp": fp32
     weights under bf16 autocast). Both are judged at bf16's floor, against float64 eager."""
-    family = FAMILIES[name]
+    return family_case(f"census/{name}/{mode}", name, FAMILIES[name], mode, FAMILIES[name].expected(mode))
+
+
+def family_case(case_name: str, name: str, family: Family, mode: str, expect: dict[str, int]) -> Case:
+    """`family`'s step in `mode`, judged as the census judges, expecting `expect` to match."""
     amp = mode == "trainer-amp"
-    return Case(name=f"census/{name}/{mode}", fusion="model", variant=name, make=_make(family, amp),
-                dtype=torch.float32 if amp else torch.bfloat16, train=True, expect=family.expected(mode),
+    return Case(name=case_name, fusion="model", variant=name, make=_make(family, amp),
+                dtype=torch.float32 if amp else torch.bfloat16, train=True, expect=expect,
                 config=OPEN, eager_baseline=True, floor=FLOOR[torch.bfloat16], differentiated_outputs=1)
 
 
